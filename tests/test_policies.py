@@ -1,0 +1,358 @@
+"""The policy contract over every config in ``conf/policy/`` and the behaviours each policy promises (method.md §3)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import get_class, instantiate
+from omegaconf import OmegaConf
+
+from baselines.evict_large_value import EvictLargeValue
+from baselines.rkv import RKV
+from baselines.snapkv import SnapKV
+from vase.policy import EvictionInputs, SelectionInputs
+from vase.scores import page_min_max, page_upper_bound, redundancy_score, value_statistic, windowed_attention_score
+from vase.vase_attnv import VaSEAttnV
+from vase.vase_dkv import VaSEDKV
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "policy"
+ALL_CONFIGS = sorted(p.stem for p in CONF.glob("*.yaml"))
+BUDGET, WINDOW = 64, 16
+N_KEEP, N_CAND, DIM = BUDGET - WINDOW, 80, 16
+LAYOUTS = {"mha": (4, 4), "gqa": (2, 8)}  # (H, Hq)
+
+
+def load_policy(name: str, budget: int = BUDGET, window: int = WINDOW, **overrides):
+    cfg = OmegaConf.load(CONF / f"{name}.yaml")
+    cfg.budget, cfg.window = budget, window
+    for key, value in overrides.items():
+        cfg[key] = value
+    return instantiate(cfg)
+
+
+def kinds(kind: str) -> list[str]:
+    return [n for n in ALL_CONFIGS if load_policy(n).kind == kind]
+
+
+def make_inputs(
+    b: int,
+    h: int,
+    hq: int,
+    seeds=None,
+    n: int = N_CAND,
+    n_keep: int = N_KEEP,
+    data_seed: int = 0,
+    state: dict | None = None,
+) -> EvictionInputs:
+    """Random candidates; per (row, head) a shuffled set of distinct positions that includes 0..3 (the sinks)."""
+    g = torch.Generator().manual_seed(data_seed)
+    values = torch.randn(b, h, n, DIM, generator=g)
+    values[:, :, ::7] *= 6.0  # a few large value states
+    positions = torch.empty(b, h, n, dtype=torch.long)
+    for bi in range(b):
+        for hi in range(h):
+            rest = torch.randperm(4 * n, generator=g)[: n - 4] + 4
+            positions[bi, hi] = torch.cat([torch.arange(4), rest])[torch.randperm(n, generator=g)]
+    seeds = seeds if seeds is not None else list(range(100, 100 + b))
+    return EvictionInputs(
+        keys=torch.randn(b, h, n, DIM, generator=g),
+        values=values,
+        positions=positions,
+        n_keep=n_keep,
+        layer_idx=0,
+        scaling=DIM**-0.5,
+        generators=[torch.Generator().manual_seed(s) for s in seeds],
+        state={} if state is None else state,
+        queries=torch.randn(b, hq, WINDOW, DIM, generator=g),
+    )
+
+
+def row(inputs: EvictionInputs, r: int, seed: int) -> EvictionInputs:
+    """Row ``r`` of ``inputs`` alone, with a fresh generator seeded ``seed``."""
+    return EvictionInputs(
+        keys=inputs.keys[r : r + 1],
+        values=inputs.values[r : r + 1],
+        positions=inputs.positions[r : r + 1],
+        n_keep=inputs.n_keep,
+        layer_idx=0,
+        scaling=inputs.scaling,
+        generators=[torch.Generator().manual_seed(seed)],
+        state={},
+        queries=inputs.queries[r : r + 1],
+    )
+
+
+def expected_protected(policy, inputs: EvictionInputs) -> torch.Tensor:
+    """``(B, H, N)`` bool: the sinks plus, for value-protecting policies, the largest values (reference by sorting)."""
+    sinks = inputs.positions < policy.sinks
+    count = getattr(policy, "protect_count", 0)
+    if count == 0:
+        return sinks
+    stat = value_statistic(inputs.values, policy.value_stat)
+    out = sinks.clone()
+    b, h, n = stat.shape
+    for bi in range(b):
+        for hi in range(h):
+            order = sorted(range(n), key=lambda i: (not bool(sinks[bi, hi, i]), -float(stat[bi, hi, i])))
+            out[bi, hi, order[:count]] = True
+    return out
+
+
+# ---- the contract matrix --------------------------------------------------------------------------------------------
+
+
+def test_every_config_instantiates_with_its_name():
+    for name in ALL_CONFIGS:
+        policy = load_policy(name)
+        assert policy.name == name, f"{name}.yaml builds a policy named {policy.name!r}"
+        assert policy.budget == BUDGET and policy.window == WINDOW
+    assert {
+        "full",
+        "streaming",
+        "random",
+        "snapkv",
+        "snapkv_sample",
+        "snapkv_protect",
+        "rkv",
+        "curdkv",
+        "vase_attnv",
+        "vase_dkv",
+        "evict_large_value",
+        "quest",
+    } <= set(ALL_CONFIGS)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", kinds("eviction"))
+def test_eviction_contract(name, layout):
+    h, hq = LAYOUTS[layout]
+    policy = load_policy(name)
+    inputs = make_inputs(3, h, hq)
+    idx = policy.keep(inputs)
+
+    assert idx.shape == (3, h, N_KEEP) and idx.dtype == torch.int64
+    assert idx.min() >= 0 and idx.max() < N_CAND
+    assert (idx.sort(dim=-1).values.diff(dim=-1) > 0).all(), "duplicate indices"
+    kept = torch.zeros(3, h, N_CAND, dtype=torch.bool).scatter_(-1, idx, True)
+    must = expected_protected(policy, inputs)
+    assert not (must & ~kept).any(), "a sink or protected token was evicted"
+    if getattr(policy, "protect_count", 0):
+        assert must.sum(-1).eq(policy.protect_count).all()
+
+    # The same seeds give the same choice; a row's choice does not depend on the other rows.
+    assert torch.equal(policy.keep(make_inputs(3, h, hq)), idx)
+    assert torch.equal(policy.keep(row(inputs, 1, seed=101)), idx[1:2])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_quest_contract(layout):
+    h, hq = LAYOUTS[layout]
+    policy = load_policy("quest", budget=32)
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(3, h, 100, DIM, generator=g)
+    query = torch.randn(3, hq, 1, DIM, generator=g)
+    mask = policy.select(SelectionInputs(query=query, keys=keys, length=100, n_new=1, layer_idx=0, state={}))
+    assert mask.shape == (3, h, 100) and mask.dtype == torch.bool
+    assert mask[..., 96:].all(), "the current page (tokens 96..99) must always be attended"
+    assert mask.sum(-1).eq(32 + 4).all()  # budget // 16 = 2 full pages + the 4-token current page
+    # The chosen pages are the best by the upper bound.
+    kmax, kmin = page_min_max(keys, 16)
+    bound = page_upper_bound(query, kmax[:, :, :6], kmin[:, :, :6], "max")
+    chosen = mask[..., :96].view(3, h, 6, 16).all(-1)
+    assert torch.equal(chosen, torch.zeros_like(chosen).scatter_(-1, bound.topk(2, dim=-1).indices, True))
+    # Everything fits: attend to all.
+    small = SelectionInputs(query=query, keys=keys[:, :, :40], length=40, n_new=1, layer_idx=0, state={})
+    assert policy.select(small) is None
+
+
+def test_quest_incremental_state_matches_fresh():
+    policy = load_policy("quest", budget=32)
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randn(2, 2, 130, DIM, generator=g)
+    state: dict = {}
+    for length in range(20, 131):
+        query = torch.randn(2, 8, 1, DIM, generator=g)
+        n_new = 20 if length == 20 else 1
+        got = policy.select(SelectionInputs(query, keys[:, :, :length], length, n_new, 0, state))
+        want = policy.select(SelectionInputs(query, keys[:, :, :length], length, n_new, 0, {}))
+        assert (got is None and want is None) or torch.equal(got, want), length
+        if got is not None:
+            kmax, kmin = page_min_max(keys[:, :, :length], 16)
+            assert torch.equal(state["kmax"], kmax) and torch.equal(state["kmin"], kmin)
+            assert state["kmax"].shape[0] == 2  # batch-first: finished rows can be dropped
+
+
+# ---- VaSE-AttnV -----------------------------------------------------------------------------------------------------
+
+
+def test_vase_attnv_defaults():
+    p = load_policy("vase_attnv", budget=512, window=64)
+    assert (p.sinks, p.protect_count, p.sample, p.value_stat, p.smooth_kernel) == (4, 128, True, "range", 5)
+    assert p.needs_queries and VaSEAttnV(budget=512, window=64).describe() == p.describe()
+
+
+def test_vase_attnv_always_keeps_protected():
+    policy = load_policy("vase_attnv", n_protect=20)
+    for seed in range(20):
+        inputs = make_inputs(2, 2, 8, seeds=[seed, seed + 1000], data_seed=seed)
+        kept = torch.zeros(2, 2, N_CAND, dtype=torch.bool).scatter_(-1, policy.keep(inputs), True)
+        assert not (expected_protected(policy, inputs) & ~kept).any()
+
+
+def test_vase_attnv_keep_frequency_rises_with_score():
+    """Over many seeded draws, candidates with a higher attention score are kept more often."""
+    rows, n, d = 400, 40, 4
+    a = torch.linspace(-2.0, 2.0, n)
+    keys = torch.zeros(rows, 1, n, d)
+    keys[..., 0] = a  # logit of candidate i = a_i (one query (1, 0, 0, 0), scaling 1): score ∝ exp(a_i)
+    values = torch.ones(rows, 1, n, d)
+    values[..., 0] = 2.0  # every range equal: protection is just the sinks
+    inputs = EvictionInputs(
+        keys=keys,
+        values=values,
+        positions=torch.arange(n).expand(rows, 1, n).clone(),
+        n_keep=24,
+        layer_idx=0,
+        scaling=1.0,
+        generators=[torch.Generator().manual_seed(s) for s in range(rows)],
+        queries=torch.tensor([1.0, 0, 0, 0]).expand(rows, 1, 1, d).clone(),
+    )
+    policy = VaSEAttnV(budget=32, window=8, n_protect=4, smooth_kernel=1)
+    idx = policy.keep(inputs)
+    freq = torch.zeros(rows, n).scatter_(-1, idx[:, 0], 1.0).mean(0)
+    assert freq[:4].eq(1).all()  # sinks
+    f = freq[4:]
+    ranks = lambda x: x.argsort().argsort().double()  # noqa: E731
+    spearman = torch.corrcoef(torch.stack([ranks(f), ranks(a[4:])]))[0, 1]
+    assert spearman > 0.9
+    top, middle, bottom = f[-9:].mean(), f[9:18].mean(), f[:9].mean()  # ≈ .94, .39, .18 with these seeds
+    assert top > middle + 0.3 and middle > bottom + 0.1
+    assert 0 < f.min() and f.max() < 1  # stochastic: nothing is certain
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_vase_attnv_without_sampling_is_topk_after_protection(layout):
+    h, hq = LAYOUTS[layout]
+    policy = load_policy("vase_attnv", sample=False)
+    inputs = make_inputs(3, h, hq)
+    kept = torch.zeros(3, h, N_CAND, dtype=torch.bool).scatter_(-1, policy.keep(inputs), True)
+    protected = expected_protected(policy, inputs)
+    score = windowed_attention_score(inputs.queries, inputs.keys, inputs.scaling)
+    for b in range(3):
+        for hi in range(h):
+            rest = sorted((i for i in range(N_CAND) if not protected[b, hi, i]), key=lambda i: -float(score[b, hi, i]))
+            want = set(torch.nonzero(protected[b, hi]).flatten().tolist()) | set(rest[: N_KEEP - policy.protect_count])
+            assert set(torch.nonzero(kept[b, hi]).flatten().tolist()) == want
+
+
+def test_snapkv_and_rkv_are_topk_of_their_scores():
+    inputs = make_inputs(2, 2, 8)
+    attn = windowed_attention_score(inputs.queries, inputs.keys, inputs.scaling)
+    for policy, score in [
+        (SnapKV(budget=BUDGET, window=WINDOW), attn),
+        (RKV(budget=BUDGET, window=WINDOW), 0.5 * attn - 0.5 * redundancy_score(inputs.keys)),
+        (RKV(budget=BUDGET, window=WINDOW, rkv_lambda=0.1), 0.1 * attn - 0.9 * redundancy_score(inputs.keys)),
+    ]:
+        got = policy.keep(inputs)
+        assert torch.equal(got.sort(-1).values, score.topk(N_KEEP, dim=-1).indices.sort(-1).values), policy
+
+
+def test_attention_policies_return_the_authors_storage_order():
+    """Protected first (sinks, then by decreasing value), then by decreasing score: the authors' cache layout."""
+    policy = VaSEAttnV(budget=BUDGET, window=WINDOW, sample=False, n_protect=10)
+    inputs = make_inputs(1, 2, 8)
+    idx = policy.keep(inputs)
+    stat = value_statistic(inputs.values, "range")
+    score = windowed_attention_score(inputs.queries, inputs.keys, inputs.scaling)
+    for hi in range(2):
+        head = idx[0, hi]
+        assert (inputs.positions[0, hi, head[:4]] < 4).all()
+        assert (stat[0, hi, head[4:10]].diff() <= 0).all()
+        assert (score[0, hi, head[10:]].diff() <= 0).all()
+
+
+# ---- CurDKV / VaSE-DKV ----------------------------------------------------------------------------------------------
+
+
+def test_vase_dkv_redraws_the_sketch_and_curdkv_reuses_it():
+    for name, resample in [("curdkv", False), ("vase_dkv", True)]:
+        policy = load_policy(name)
+        assert policy.resample_sketch is resample and policy.rank == 20 and policy.sinks == 4
+        state: dict = {}
+        inputs = make_inputs(3, 2, 8, state=state)  # one generation: the same generators and state throughout
+        first_keep = policy.keep(inputs)
+        first = state["sketch"].clone()
+        assert first.shape == (3, DIM, 20)
+        second_keep = policy.keep(inputs)  # the next eviction of the same layer
+        if resample:
+            assert not torch.equal(state["sketch"], first)
+            assert not torch.equal(second_keep, first_keep)
+        else:
+            assert torch.equal(state["sketch"], first)
+            assert torch.equal(second_keep, first_keep)
+
+
+def test_dkv_sketch_is_gaussian_with_variance_one_over_rank():
+    policy = VaSEDKV(budget=BUDGET, window=WINDOW, rank=20)
+    inputs = make_inputs(64, 1, 1, seeds=list(range(64)))
+    g = policy.sketch(inputs)
+    assert g.mean().abs() < 0.02 and g.var().item() == pytest.approx(1 / 20, rel=0.05)
+
+
+# ---- evict_large_value ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stat", ["range", "l2", "absmax", "variance"])
+def test_evict_large_value_keeps_exactly_the_smallest(stat):
+    policy = load_policy("evict_large_value", value_stat=stat)
+    assert isinstance(policy, EvictLargeValue) and policy.sinks == 0
+    inputs = make_inputs(2, 2, 8)
+    idx = policy.keep(inputs)
+    v = value_statistic(inputs.values, stat)
+    for b in range(2):
+        for hi in range(2):
+            smallest = sorted(range(N_CAND), key=lambda i: float(v[b, hi, i]))[:N_KEEP]
+            assert set(idx[b, hi].tolist()) == set(smallest)
+
+
+# ---- validation -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,overrides,message",
+    [
+        ("vase_attnv", {"n_protect": 600}, "policy.n_protect: must be <= budget - window = 448, got 600"),
+        ("vase_attnv", {"n_protect": 1.5}, "policy.n_protect: a float is a fraction of the budget"),
+        ("vase_attnv", {"n_protect": -1}, "policy.n_protect: must be >= 0"),
+        ("vase_attnv", {"value_stat": "median"}, "policy.value_stat: must be one of range, l2, absmax, variance"),
+        ("vase_attnv", {"smooth_kernel": 4}, "policy.smooth_kernel: must be an odd integer"),
+        ("vase_attnv", {"attn_temperature": 0.0}, "policy.attn_temperature: must be > 0"),
+        ("vase_attnv", {"smooth_along": "text"}, "policy.smooth_along"),
+        ("snapkv", {"sinks": 449}, "policy.sinks: must be <= budget - window = 448"),
+        ("rkv", {"sample": True}, "policy.sample: must be false for R-KV"),
+        ("rkv", {"rkv_lambda": 1.5}, "policy.rkv_lambda: must be in [0, 1]"),
+        ("curdkv", {"rank": 0}, "policy.rank: must be an integer >= 1"),
+        ("evict_large_value", {"value_stat": "l1"}, "policy.value_stat"),
+        ("quest", {"page_size": 0}, "policy.page_size: must be an integer >= 1"),
+        ("quest", {"group_reduce": "mean"}, "policy.group_reduce"),
+    ],
+)
+def test_validation_names_the_field(name, overrides, message):
+    cfg = OmegaConf.load(CONF / f"{name}.yaml")
+    cfg.budget, cfg.window = 512, 64
+    kwargs = {**OmegaConf.to_container(cfg, resolve=True), **overrides}
+    cls = get_class(kwargs.pop("_target_"))
+    with pytest.raises(ValueError, match=re.escape(message)):  # hydra wraps it in an InstantiationException
+        cls(**kwargs)
+
+
+def test_n_protect_forms():
+    assert load_policy("vase_attnv", budget=512, window=64).protect_count == 128  # null -> budget // 4
+    assert load_policy("vase_attnv", budget=512, window=64, n_protect=0.5).protect_count == 256
+    assert load_policy("vase_attnv", budget=512, window=64, n_protect=64).protect_count == 64
+    assert load_policy("snapkv_protect", budget=4096, window=64).protect_count == 1024
+    assert load_policy("snapkv", budget=512, window=64).protect_count == 0
+    assert load_policy("snapkv", budget=512, window=64, sinks=4).protect_count == 4  # sinks always kept

@@ -1,0 +1,280 @@
+"""The sandbox for generated code: basics, limits, and hostile programs.
+
+Each hostile program must end as a non-``ok`` status within its limit, the harness (this pytest process) must keep
+running, and no file outside the sandbox may change. The protections that need root (private filesystem, other uid,
+private ``/proc``) are checked only in ``full`` isolation mode; the others run in both modes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tasks import sandbox
+from tasks.sandbox import Program, SandboxLimits, isolation_mode, run_many, run_program
+
+FAST = SandboxLimits(timeout_s=2.0, memory_mb=512, max_procs=32, max_output_bytes=1 << 20)
+
+needs_full = pytest.mark.skipif(
+    isolation_mode() != "full", reason="needs full isolation (root with namespaces) to protect the harness"
+)
+
+
+def _snapshot(path: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))}
+
+
+@pytest.fixture
+def outside(tmp_path: Path):  # noqa: ANN201 - yields a helper
+    """A directory outside the sandbox with a sentinel file; asserts it is unchanged after the test."""
+    (tmp_path / "sentinel.txt").write_text("keep me")
+    before = _snapshot(tmp_path)
+    yield tmp_path
+    assert _snapshot(tmp_path) == before
+
+
+def _no_sandbox_processes_left() -> bool:
+    base = sandbox.SANDBOX_UID_BASE
+    return all(not sandbox._pids_of_uid(uid) for uid in range(base, base + 8))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# basics
+
+
+def test_runs_program_with_stdin_files_and_args() -> None:
+    code = "import sys\nprint(sys.stdin.read().upper(), open('data.txt').read(), sys.argv[1:])"
+    res = run_program(code, "hello", files={"data.txt": "payload"}, args=["-x", "y"], limits=FAST)
+    assert res.status == "ok", res
+    assert res.stdout.strip() == "HELLO payload ['-x', 'y']"
+    assert res.returncode == 0 and res.wall_s > 0
+
+
+def test_fresh_working_directory_clean_environment_and_site_packages() -> None:
+    code = (
+        "import os, json, numpy\n"
+        "print(json.dumps({'cwd': os.getcwd(), 'home': os.environ['HOME'], 'files': sorted(os.listdir('.')),"
+        " 'env': sorted(os.environ)}))"
+    )
+    first = run_program(code, limits=FAST)
+    second = run_program(code, limits=FAST)
+    assert first.status == "ok", first
+    import json
+
+    info = json.loads(first.stdout)
+    assert info["files"] == ["main.py"]
+    assert info["home"] == info["cwd"]
+    assert set(info["env"]) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+                                "MKL_NUM_THREADS"}
+    assert json.loads(second.stdout)["files"] == ["main.py"]  # nothing left over from the first run
+
+
+def test_failure_statuses() -> None:
+    assert run_program("raise SystemExit(3)", limits=FAST).returncode == 3
+    res = run_program("1/0", limits=FAST)
+    assert res.status == "failed" and "ZeroDivisionError" in res.reason
+    res = run_program("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", limits=FAST)
+    assert res.status == "failed"
+
+
+def test_cpu_time_limit() -> None:
+    start = time.monotonic()
+    res = run_program("while True:\n    pass", limits=SandboxLimits(timeout_s=10, cpu_s=1))
+    assert res.status == "timeout"
+    assert time.monotonic() - start < 5
+
+
+def test_limits_validation() -> None:
+    with pytest.raises(ValueError, match=r"^sandbox.timeout_s: must be > 0, got 0$"):
+        SandboxLimits(timeout_s=0)
+    with pytest.raises(ValueError, match="sandbox.memory_mb"):
+        SandboxLimits(memory_mb=-1)
+
+
+def test_run_many_keeps_order_and_runs_in_parallel() -> None:
+    progs = [Program(f"import time\ntime.sleep(0.8)\nprint({i})") for i in range(4)]
+    start = time.monotonic()
+    results = run_many(progs, limits=FAST, max_workers=4)
+    elapsed = time.monotonic() - start
+    assert [r.stdout.strip() for r in results] == ["0", "1", "2", "3"]
+    assert elapsed < 3.0  # sequential would take > 3.2 s
+    assert run_many([]) == []
+
+
+def test_default_workers_bounded_by_cores() -> None:
+    assert sandbox.default_workers(1) == 1
+    assert sandbox.default_workers(10_000) == (os.cpu_count() or 1)
+
+
+def test_basic_mode_enforces_limits() -> None:
+    """The fallback for non-root harnesses, exercised here even as root."""
+    ok = sandbox._run("print(6 * 7)", limits=FAST, mode="basic")
+    assert (ok.status, ok.stdout.strip()) == ("ok", "42")
+    start = time.monotonic()
+    assert sandbox._run("while True: pass", limits=FAST, mode="basic").status == "timeout"
+    assert time.monotonic() - start < FAST.timeout_s + 3
+    assert sandbox._run("x = bytearray(2 * 1024**3)", limits=FAST, mode="basic").status == "failed"
+    assert sandbox._run("print('x' * 10**7)", limits=FAST, mode="basic").status == "output_limit"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# hostile programs
+
+
+def _assert_within(res: sandbox.SandboxResult, limits: SandboxLimits, status: str | tuple[str, ...]) -> None:
+    statuses = (status,) if isinstance(status, str) else status
+    assert res.status in statuses, res
+    assert res.wall_s < limits.timeout_s + 3.0, res.wall_s
+
+
+def test_hostile_infinite_loop(outside: Path) -> None:
+    _assert_within(run_program("while True:\n    pass", limits=FAST), FAST, "timeout")
+
+
+def test_hostile_sleep_forever_with_detached_child(outside: Path) -> None:
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(1000)\ntime.sleep(1000)"
+    _assert_within(run_program(code, limits=FAST), FAST, "timeout")
+    assert isolation_mode() != "full" or _no_sandbox_processes_left()
+
+
+@needs_full
+def test_hostile_fork_bomb(outside: Path) -> None:
+    code = (
+        "import os\n"
+        "while True:\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            os.setsid()\n"
+        "    except OSError:\n"
+        "        pass\n"
+    )
+    _assert_within(run_program(code, limits=FAST), FAST, ("timeout", "failed"))
+    assert _no_sandbox_processes_left()
+    assert run_program("print('still fine')", limits=FAST).stdout.strip() == "still fine"
+
+
+def test_hostile_memory_hog(outside: Path) -> None:
+    code = "chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 1024 * 1024))"
+    res = run_program(code, limits=FAST)
+    _assert_within(res, FAST, "failed")
+    assert "MemoryError" in res.stderr or res.returncode < 0
+
+
+def test_hostile_print_one_gigabyte(outside: Path) -> None:
+    code = "import sys\nchunk = 'x' * (1 << 20)\nfor _ in range(1024):\n    sys.stdout.write(chunk)"
+    start = time.monotonic()
+    res = run_program(code, limits=FAST)
+    assert res.status == "output_limit"
+    assert len(res.stdout) <= FAST.max_output_bytes
+    assert time.monotonic() - start < FAST.timeout_s + 3.0
+
+
+def test_hostile_stderr_flood(outside: Path) -> None:
+    res = run_program("import sys\nwhile True:\n    sys.stderr.write('e' * 65536)", limits=FAST)
+    assert res.status == "output_limit"
+
+
+@needs_full
+def test_hostile_writes_outside_the_sandbox(outside: Path) -> None:
+    tag = uuid.uuid4().hex
+    home = Path.home()
+    targets = [home / f"vase_pwned_{tag}", outside / f"pwned_{tag}", Path("/tmp") / f"vase_pwned_{tag}",
+               Path("/dev/shm") / f"vase_pwned_{tag}", Path(__file__).resolve().parent / f"pwned_{tag}"]
+    code = (
+        "import os\n"
+        f"targets = {[str(t) for t in targets]!r}\n"
+        "written = []\n"
+        "for t in targets:\n"
+        "    try:\n"
+        "        with open(t, 'w') as f:\n"
+        "            f.write('pwned')\n"
+        "        written.append(t)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "open(os.path.expanduser('~/inside.txt'), 'w').write('ok')  # the sandbox home is the working dir\n"
+        "if len(written) < len(targets):\n"
+        "    raise SystemExit('some writes were refused')\n"
+    )
+    res = run_program(code, limits=FAST)
+    _assert_within(res, FAST, "failed")
+    for t in targets:
+        assert not t.exists(), t
+    assert not any(tag in p.name for p in home.iterdir())
+
+
+@needs_full
+def test_hostile_network_socket(outside: Path) -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(4.0)
+    port = server.getsockname()[1]
+    got: list[object] = []
+
+    def accept() -> None:
+        try:
+            got.append(server.accept())
+        except OSError:
+            pass
+
+    th = threading.Thread(target=accept)
+    th.start()
+    code = (
+        "import socket\n"
+        f"socket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'leak')\n"
+    )
+    res = run_program(code, limits=FAST)
+    res_dns = run_program("import socket\nsocket.create_connection(('pypi.org', 443), timeout=1)", limits=FAST)
+    server.close()
+    th.join()
+    _assert_within(res, FAST, "failed")
+    _assert_within(res_dns, FAST, "failed")
+    assert got == []
+
+
+@needs_full
+def test_hostile_kills_the_parent(outside: Path) -> None:
+    me = os.getpid()
+    code = (
+        "import os, signal\n"
+        "os.kill(os.getppid(), signal.SIGKILL)\n"
+        f"os.kill({me}, signal.SIGKILL)\n"
+    )
+    res = run_program(code, limits=FAST)
+    _assert_within(res, FAST, "failed")
+    assert os.getpid() == me  # still here
+    assert run_program("print(1)", limits=FAST).ok
+
+
+@needs_full
+def test_hostile_reads_harness_secrets(monkeypatch: pytest.MonkeyPatch, outside: Path) -> None:
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    monkeypatch.setenv("VASE_TEST_SECRET_TOKEN", secret)
+    code = (
+        "import os, glob\n"
+        "found = [v for v in os.environ.values() if 's3cr3t' in v]\n"
+        "for path in glob.glob('/proc/*/environ') + glob.glob('/proc/*/cmdline'):\n"
+        "    try:\n"
+        "        data = open(path, 'rb').read()\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    if b's3cr3t' in data:\n"
+        "        found.append(data.decode(errors='replace'))\n"
+        f"for pid in (os.getppid(), {os.getpid()}):\n"
+        "    try:\n"
+        "        found.append(open(f'/proc/{pid}/environ', 'rb').read().decode(errors='replace'))\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print(found)\n"
+        "if not any('s3cr3t' in f for f in found):\n"
+        "    raise SystemExit('no secret found')\n"
+    )
+    res = run_program(code, limits=FAST)
+    _assert_within(res, FAST, "failed")
+    assert secret not in res.stdout and secret not in res.stderr

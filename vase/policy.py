@@ -1,0 +1,203 @@
+"""The policy interface shared by every KV-cache policy.
+
+A policy is a small dataclass whose fields are its hyper-parameters. The engine (:mod:`vase.cache`) owns the
+storage and calls the policy at two hooks:
+
+* eviction policies (``kind = "eviction"``) implement :meth:`EvictionPolicy.keep`: at each eviction event the engine
+  hands one layer's candidates and gets back, per (sequence, KV head), the indices of the candidates to keep; the
+  engine does the gather and moves the recent window behind them.
+* selection policies (``kind = "selection"``, e.g. Quest) keep every token and implement
+  :meth:`SelectionPolicy.select`: per decode step and layer, a boolean mask of the held tokens that the step attends to.
+* ``kind = "none"`` (the full cache) never evicts nor selects.
+
+Shapes use ``B`` = rows (sequences) in the batch, ``H`` = KV heads, ``Hq`` = query heads, ``N`` = candidates,
+``D`` = head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+
+def _check(cond: bool, setting: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"{setting}: {msg}")
+
+
+@dataclass
+class EvictionInputs:
+    """What the engine hands an eviction policy at one eviction event of one layer.
+
+    Attributes:
+        keys: ``(B, H, N, D)`` post-RoPE keys of the candidates (every held token but the ``window`` most recent).
+        values: ``(B, H, N, D)`` values of the candidates.
+        positions: ``(B, H, N)`` int64 absolute token positions of the candidates (0 = first prompt token).
+        n_keep: how many candidates to keep per (sequence, KV head): ``budget - window``.
+        layer_idx: index of the layer.
+        scaling: softmax scale of the model's attention (usually ``D ** -0.5``).
+        generators: one seeded ``torch.Generator`` per row; draw through :meth:`rand` / :meth:`randn` so that a row's
+            choice does not depend on the other rows of the batch.
+        state: per-(generation, layer) dict owned by the policy; every tensor in it must have the batch as its first
+            dimension (the engine drops the rows of finished sequences).
+        queries: ``(B, Hq, Wq, D)`` post-RoPE queries of the last ``Wq <= window`` tokens, or ``None`` when the policy
+            does not declare ``needs_queries``.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    n_keep: int
+    layer_idx: int
+    scaling: float
+    generators: list[torch.Generator]
+    state: dict = field(default_factory=dict)
+    queries: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(B, H, N, D)``."""
+        return tuple(self.keys.shape)  # type: ignore[return-value]
+
+    def rand(self, *shape: int) -> torch.Tensor:
+        """Uniform ``[0, 1)`` float32 noise of shape ``(B, *shape)``; row ``b`` comes from ``generators[b]``."""
+        return torch.stack(
+            [torch.rand(shape, generator=g, device=g.device, dtype=torch.float32) for g in self.generators]
+        ).to(self.keys.device)
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        """Standard normal float32 noise of shape ``(B, *shape)``; row ``b`` comes from ``generators[b]``."""
+        return torch.stack(
+            [torch.randn(shape, generator=g, device=g.device, dtype=torch.float32) for g in self.generators]
+        ).to(self.keys.device)
+
+
+@dataclass
+class SelectionInputs:
+    """What the engine hands a selection policy at one decode step of one layer.
+
+    Attributes:
+        query: ``(B, Hq, 1, D)`` post-RoPE query of the current step.
+        keys: ``(B, H, L, D)`` every held key (the current token's included, at index ``L - 1``).
+        length: ``L``, tokens held after this step's append.
+        n_new: tokens appended by this forward call (the prompt length at prefill, 1 when decoding).
+        layer_idx: index of the layer.
+        state: per-(generation, layer) dict owned by the policy (batch-first tensors, as for eviction).
+    """
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    length: int
+    n_new: int
+    layer_idx: int
+    state: dict = field(default_factory=dict)
+
+
+@dataclass
+class Policy:
+    """Base of every policy. Subclasses are dataclasses whose fields are their hyper-parameters.
+
+    Attributes:
+        budget: tokens kept per (layer, KV head, sequence) after an eviction (``B``); the cache then oscillates
+            between ``budget`` and ``budget + window``. Must be a multiple of ``window``.
+        window: recent window ``W``: never evicted, and the number of decode steps between evictions.
+    """
+
+    budget: int = 0
+    window: int = 64
+
+    name: ClassVar[str] = "policy"
+    kind: ClassVar[str] = "none"  # "none" | "eviction" | "selection"
+    needs_queries: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise one ``ValueError`` naming the bad field. Subclasses extend it (call ``super().validate()``)."""
+        if self.kind == "none":
+            return
+        _check(isinstance(self.window, int) and self.window >= 1, "policy.window", f"must be an integer >= 1, got {self.window!r}")
+        _check(
+            isinstance(self.budget, int) and self.budget > self.window,
+            "policy.budget",
+            f"must be an integer greater than window={self.window}, got {self.budget!r} (set budget= or ratio=)",
+        )
+        _check(
+            self.budget % self.window == 0,
+            "policy.budget",
+            f"must be a multiple of window={self.window} so the eviction trigger (held % window == 0) fires; "
+            f"got {self.budget} (try {max(2, round(self.budget / self.window)) * self.window})",
+        )
+
+    @property
+    def n_keep(self) -> int:
+        """Candidates kept at each eviction: ``budget - window``."""
+        return self.budget - self.window
+
+    def describe(self) -> dict:
+        """The policy's name, kind and hyper-parameters (recorded with every run)."""
+        from dataclasses import asdict
+
+        return {"name": self.name, "kind": self.kind, **asdict(self)}
+
+
+@dataclass
+class EvictionPolicy(Policy):
+    """Base of eviction policies. Subclasses implement :meth:`keep`.
+
+    Attributes:
+        sinks: the first ``sinks`` tokens of the sequence (by absolute position) that the policy never evicts
+            (0 = no sink protection).
+    """
+
+    sinks: int = 4
+    kind: ClassVar[str] = "eviction"
+
+    def validate(self) -> None:
+        super().validate()
+        _check(isinstance(self.sinks, int) and self.sinks >= 0, "policy.sinks", f"must be an integer >= 0, got {self.sinks!r}")
+        _check(
+            self.sinks <= self.n_keep,
+            "policy.sinks",
+            f"must be <= budget - window = {self.n_keep}, got {self.sinks}",
+        )
+
+    def keep(self, inputs: EvictionInputs) -> torch.Tensor:
+        """Choose the candidates to keep.
+
+        Args:
+            inputs: one layer's candidates (see :class:`EvictionInputs`).
+
+        Returns:
+            ``(B, H, n_keep)`` int64 indices into the candidate axis, unique per (row, head), any order.
+        """
+        raise NotImplementedError
+
+
+@dataclass
+class SelectionPolicy(Policy):
+    """Base of selection policies: the full cache is kept; each decode step attends to a subset of it."""
+
+    kind: ClassVar[str] = "selection"
+
+    def validate(self) -> None:
+        _check(
+            isinstance(self.budget, int) and self.budget >= 1,
+            "policy.budget",
+            f"must be an integer >= 1 (tokens attended per step), got {self.budget!r} (set budget= or ratio=)",
+        )
+
+    def select(self, inputs: SelectionInputs) -> torch.Tensor | None:
+        """Return a ``(B, H, L)`` bool mask of the held tokens this step attends to, or ``None`` for all of them."""
+        raise NotImplementedError
+
+
+@dataclass
+class FullCache(Policy):
+    """The full cache: never evicts (the accuracy ceiling and memory reference)."""
+
+    name: ClassVar[str] = "full"
+    kind: ClassVar[str] = "none"

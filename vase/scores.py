@@ -1,0 +1,273 @@
+"""Pure tensor math shared by the eviction and selection policies (no model, no cache).
+
+Every function is vectorised over the batch, the heads and the candidates, computes in float32 (float64 for sampling
+keys) and states its shapes. ``B`` = rows, ``H`` = KV heads, ``Hq`` = query heads (``Hq % H == 0``; query head ``j``
+belongs to KV head ``j // (Hq // H)``, transformers' layout), ``Wq`` = window queries, ``N`` = candidates,
+``D`` = head dim, ``P`` = pages, ``r`` = sketch rank.
+
+* :func:`windowed_attention_score` — the SnapKV-style score of SnapKV, R-KV and VaSE-AttnV (method.md §2).
+* :func:`value_statistic` — the value-magnitude statistic VaSE protects (range, L2, abs-max, variance).
+* :func:`redundancy_score` — R-KV's key redundancy (quadratic in the candidates).
+* :func:`cur_score` — the CUR sketch score of CurDKV / VaSE-DKV.
+* :func:`topk_with_protection`, :func:`sample_without_replacement` — choosing ``k`` candidates.
+* :func:`page_min_max`, :func:`page_upper_bound` — Quest's page summaries and bound.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+VALUE_STATS = ("range", "l2", "absmax", "variance")
+SMOOTH_ALONG = ("storage", "position")
+GROUP_REDUCE = ("max", "sum")
+
+
+def windowed_attention_score(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    temperature: float = 1.0,
+    smooth_kernel: int = 5,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """How much the recent window attends to each candidate.
+
+    Per (row, KV head): logits ``q·k * scaling / temperature`` for every window query of every query head of the
+    group, softmax over the candidates, mean over the window queries, optional 1-D average pool (``smooth_kernel``,
+    padding ``smooth_kernel // 2``, stride 1, zero padding counted, as ``F.avg_pool1d`` does by default), mean over the
+    query heads of the group. The pool and the group mean are both linear, so they commute: we pool once after the
+    group mean.
+
+    Args:
+        queries: ``(B, Hq, Wq, D)`` post-RoPE window queries (any order: only their mean matters).
+        keys: ``(B, H, N, D)`` post-RoPE candidate keys.
+        scaling: the model's softmax scale (``D ** -0.5``).
+        temperature: attention temperature ``T_attn`` (> 0); higher flattens the score.
+        smooth_kernel: odd pool kernel; 0 or 1 turns smoothing off.
+        positions: ``(B, H, N)`` absolute positions. ``None`` pools along the storage axis (neighbours in the cache,
+            what the authors' code does); given, pools along increasing position (neighbours in the text).
+
+    Returns:
+        ``(B, H, N)`` float32, each (row, head) summing to 1 before smoothing.
+    """
+    b, hq, wq, d = queries.shape
+    h = keys.shape[1]
+    if hq % h:
+        raise ValueError(f"queries: {hq} query heads is not a multiple of {h} KV heads")
+    q = queries.float().reshape(b, h, (hq // h) * wq, d)  # the group's queries, stacked
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * (scaling / temperature)  # (B, H, G*Wq, N)
+    score = logits.softmax(dim=-1).mean(dim=-2)  # mean over window queries and group heads: (B, H, N)
+    if smooth_kernel > 1:
+        score = _smooth(score, smooth_kernel, positions)
+    return score
+
+
+def _smooth(score: torch.Tensor, kernel: int, positions: torch.Tensor | None) -> torch.Tensor:
+    """Average-pool ``score (B, H, N)`` along the last axis (storage order, or position order if given)."""
+    b, h, n = score.shape
+    if positions is not None:
+        order = positions.argsort(dim=-1)
+        score = score.gather(-1, order)
+    pooled = F.avg_pool1d(score.reshape(b * h, 1, n), kernel_size=kernel, stride=1, padding=kernel // 2).view(b, h, n)
+    if positions is not None:
+        pooled = torch.empty_like(pooled).scatter_(-1, order, pooled)
+    return pooled
+
+
+def value_statistic(values: torch.Tensor, stat: str = "range") -> torch.Tensor:
+    """Magnitude of each value vector over the head dimension.
+
+    Args:
+        values: ``(B, H, N, D)``.
+        stat: ``"range"`` (max − min), ``"l2"`` (Euclidean norm), ``"absmax"`` (largest |v_d|) or ``"variance"``
+            (unbiased, ``correction=1``, as ``torch.var`` and the authors' code).
+
+    Returns:
+        ``(B, H, N)`` float32.
+    """
+    v = values.float()
+    if stat == "range":
+        return v.amax(dim=-1) - v.amin(dim=-1)
+    if stat == "l2":
+        return v.norm(dim=-1)
+    if stat == "absmax":
+        return v.abs().amax(dim=-1)
+    if stat == "variance":
+        return v.var(dim=-1)
+    raise ValueError(f"value_stat: unknown statistic {stat!r}; choose one of {', '.join(VALUE_STATS)}")
+
+
+def redundancy_score(keys: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """R-KV's redundancy of each candidate key: softmax over candidates of its mean cosine similarity to the others.
+
+    The self-similarity is zeroed and the mean divides by ``N`` (the zeroed diagonal included), as in the R-KV and
+    VaSE code. Builds the ``(B, H, N, N)`` similarity matrix: time and memory are quadratic in the candidates.
+
+    Args:
+        keys: ``(B, H, N, D)``.
+        eps: added to the key norms.
+
+    Returns:
+        ``(B, H, N)`` float32, summing to 1 per (row, head).
+    """
+    k = keys.float()
+    k = k / (k.norm(dim=-1, keepdim=True) + eps)
+    sim = torch.matmul(k, k.transpose(-1, -2))  # (B, H, N, N)
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    return sim.mean(dim=-1).softmax(dim=-1)
+
+
+def cur_score(keys: torch.Tensor, values: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
+    """CUR sketch score ``‖k G‖² · ‖v G‖²``, normalised to sum to 1 over the candidates.
+
+    Args:
+        keys, values: ``(B, H, N, D)``.
+        sketch: ``(B, D, r)`` Gaussian sketch ``G`` (shared by the heads of a row), or ``(D, r)``.
+
+    Returns:
+        ``(B, H, N)`` float32.
+    """
+    g = sketch.float()
+    if g.dim() == 2:
+        g = g.unsqueeze(0).expand(keys.shape[0], -1, -1)
+    g = g.unsqueeze(1)  # (B, 1, D, r)
+    k2 = torch.matmul(keys.float(), g).square().sum(dim=-1)
+    v2 = torch.matmul(values.float(), g).square().sum(dim=-1)
+    score = k2 * v2
+    return score / score.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def topk_with_protection(
+    score: torch.Tensor,
+    k: int,
+    protected: torch.Tensor | None = None,
+    excluded: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Deterministic top-``k`` along the last axis; protected items first (+inf), excluded items last (−inf).
+
+    Args:
+        score: ``(..., N)``.
+        k: items to choose (``<= N``).
+        protected: ``(..., N)`` bool, items always chosen (if there are at most ``k`` of them).
+        excluded: ``(..., N)`` bool, items chosen only when nothing else is left.
+
+    Returns:
+        ``(..., k)`` int64 indices, protected first, then by decreasing score (the order the authors' cache stores
+        them in).
+    """
+    key = score if score.is_floating_point() else score.float()
+    if protected is not None:
+        key = key.masked_fill(protected, float("inf"))
+    if excluded is not None:
+        key = key.masked_fill(excluded, float("-inf"))
+    return key.topk(k, dim=-1, largest=True, sorted=True).indices
+
+
+def sample_without_replacement(
+    weights: torch.Tensor,
+    k: int,
+    uniform: torch.Tensor,
+    protected: torch.Tensor | None = None,
+    excluded: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Draw ``k`` items without replacement, each draw proportional to ``weights`` among the items left.
+
+    Gumbel-top-k (the exponential race): key ``log w − log E`` with ``E = −log U ~ Exp(1)``; the ``k`` largest keys
+    are a sample of successive draws, in draw order. Zero-weight items come after every positive one (uniformly at
+    random among themselves), excluded items after those, protected items before everything.
+
+    Args:
+        weights: ``(..., N)`` non-negative.
+        k: items to draw (``<= N``).
+        uniform: ``(..., N)`` uniform ``[0, 1)`` noise (draw it from the row's generator: ``inputs.rand``).
+        protected: ``(..., N)`` bool, always chosen (first).
+        excluded: ``(..., N)`` bool, chosen only when nothing else is left.
+
+    Returns:
+        ``(..., k)`` int64 indices: protected first, then in draw order.
+    """
+    w = weights.double()
+    if bool((w < 0).any()):
+        raise ValueError("sample_without_replacement: weights must be >= 0 (sampling is proportional to them)")
+    u = uniform.double().clamp(min=1e-300, max=1.0 - 2.0**-53)  # keep log(u) finite and < 0
+    gumbel = -torch.log(-torch.log(u))  # in [-6.6, 36.8]
+    # log w >= log(1e-45) ≈ -104 for any positive float32 weight: an offset of 1e4 puts zeros after all of them.
+    key = torch.where(w > 0, torch.log(w.clamp_min(1e-300)), torch.full_like(w, -1e4)) + gumbel
+    if protected is not None:
+        key = key.masked_fill(protected, float("inf"))
+    if excluded is not None:
+        key = key.masked_fill(excluded, float("-inf"))
+    return key.topk(k, dim=-1, largest=True, sorted=True).indices
+
+
+def protect_largest(
+    stat: torch.Tensor, n_protect: int, sinks: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sinks plus the largest-``stat`` candidates: ``n_protect`` in all.
+
+    Args:
+        stat: ``(B, H, N)`` value statistic.
+        n_protect: protected slots, the sinks included; pass at least the number of sinks per (row, head).
+        sinks: ``(B, H, N)`` bool sink tokens.
+
+    Returns:
+        ``(indices (B, H, n_protect), mask (B, H, N) bool)``; indices are sinks first, then by decreasing ``stat``.
+    """
+    idx = topk_with_protection(stat, n_protect, sinks)
+    return idx, torch.zeros_like(stat, dtype=torch.bool).scatter_(-1, idx, True)
+
+
+def page_min_max(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quest's page summaries: element-wise max and min of the keys of each page.
+
+    Args:
+        keys: ``(B, H, L, D)``; page ``p`` holds tokens ``[p * page_size, (p + 1) * page_size)``, the last one may be
+            partial.
+        page_size: tokens per page.
+
+    Returns:
+        ``(kmax, kmin)``, each ``(B, H, ceil(L / page_size), D)`` in the keys' dtype.
+    """
+    b, h, length, d = keys.shape
+    full = length // page_size
+    body = keys[:, :, : full * page_size].reshape(b, h, full, page_size, d)
+    kmax, kmin = body.amax(dim=3), body.amin(dim=3)
+    if length > full * page_size:
+        tail = keys[:, :, full * page_size :]
+        kmax = torch.cat([kmax, tail.amax(dim=2, keepdim=True)], dim=2)
+        kmin = torch.cat([kmin, tail.amin(dim=2, keepdim=True)], dim=2)
+    return kmax, kmin
+
+
+def page_upper_bound(
+    query: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, group_reduce: str = "max"
+) -> torch.Tensor:
+    """Quest's bound ``Σ_d max(q_d·kmax_d, q_d·kmin_d)`` ≥ ``max_{k in page} q·k``, per KV head.
+
+    Computed as ``q⁺·kmax + q⁻·kmin`` (``q⁺ = max(q, 0)``, ``q⁻ = min(q, 0)``): two matmuls, no ``(…, P, D)`` tensor.
+    With GQA the query heads of a group are combined by ``group_reduce``: ``"max"`` (a page ranks high if any head
+    of the group may attend to it strongly; the bound then bounds every head) or ``"sum"`` (bounds the summed logit).
+
+    Args:
+        query: ``(B, Hq, D)`` or ``(B, Hq, 1, D)`` the current query.
+        kmax, kmin: ``(B, H, P, D)`` page summaries.
+        group_reduce: ``"max"`` or ``"sum"``.
+
+    Returns:
+        ``(B, H, P)`` float32.
+    """
+    q = query.float()
+    if q.dim() == 4:
+        q = q.squeeze(2)
+    b, hq, d = q.shape
+    h = kmax.shape[1]
+    q = q.view(b, h, hq // h, d)
+    bound = torch.matmul(q.clamp(min=0), kmax.float().transpose(-1, -2)) + torch.matmul(
+        q.clamp(max=0), kmin.float().transpose(-1, -2)
+    )  # (B, H, G, P)
+    if group_reduce == "max":
+        return bound.amax(dim=2)
+    if group_reduce == "sum":
+        return bound.sum(dim=2)
+    raise ValueError(f"group_reduce: unknown reduction {group_reduce!r}; choose one of {', '.join(GROUP_REDUCE)}")
