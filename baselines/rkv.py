@@ -2,8 +2,10 @@
 
 ``attention`` is the windowed attention score (as SnapKV, smoothed) and ``redundancy`` R-KV's key redundancy
 (:func:`vase.scores.redundancy_score`): the softmax over candidates of each key's mean cosine similarity to the other
-candidate keys. Building the ``(B, H, N, N)`` similarity matrix makes each eviction quadratic in the candidates, in
-time and memory.
+candidate keys. The redundancy is defined by the ``(B, H, N, N)`` pairwise similarity matrix, which is quadratic in
+the candidates (R-KV's and the authors' code build it: ``O(N²·D)`` time and ``O(N²)`` memory per eviction). Only its
+row means are used, so :func:`~vase.scores.redundancy_score` gets the same numbers in ``O(N·D)`` without building it;
+the windowed attention score stays ``O(Hq·W·N·D)``.
 
 λ = 0.5 as in the VaSE paper (the R-KV paper used 0.1). Sinks: none by default, as the authors' ``attn_rkv`` mode.
 """

