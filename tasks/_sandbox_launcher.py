@@ -69,7 +69,7 @@ def _check(ret: int, what: str) -> None:
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    enc = (lambda s: None if s is None else s.encode())  # noqa: E731
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
     _check(_libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
 
 
@@ -142,11 +142,14 @@ def _waitpid(pid: int) -> tuple[int, int]:
             continue
 
 
-def _supervise(ns_init: int, status_r: int) -> None:
+def _supervise(ns_init: int, status_r: int, plan_deadline_s: float) -> None:
     """The root half in the harness's namespaces: wait for the namespace's init and exit as the program did."""
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
+    # backstop if the harness is gone: never outlive the wall-clock limit by more than a few seconds
+    signal.signal(signal.SIGALRM, lambda signum, frame: os.kill(ns_init, signal.SIGKILL))
+    signal.alarm(int(plan_deadline_s))
     _, init_status = _waitpid(ns_init)
     data = os.read(status_r, 64)
     _forward(int(data) if data else init_status)
@@ -211,7 +214,7 @@ def run_full(plan: dict) -> None:
         if child["term"]:
             os.kill(pid, signal.SIGKILL)
         os.close(status_w)
-        _supervise(pid, status_r)
+        _supervise(pid, status_r, plan["deadline_s"])
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         os.close(status_r)
@@ -224,7 +227,7 @@ def run_basic(plan: dict) -> None:
     """Resource limits only, plus a private network namespace where unprivileged user namespaces are allowed."""
     try:
         if plan.get("isolate_network", True):
-            _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET)  # best effort: the harness reports whether it works
+            _libc.unshare(CLONE_NEWUSER | CLONE_NEWNET)  # best effort: silently skipped where userns are disabled
         _set_rlimits(plan["rlimits"])
         os.chdir(plan["workdir"])
         os.execve(plan["argv"][0], plan["argv"], plan["env"])
@@ -235,6 +238,8 @@ def run_basic(plan: dict) -> None:
 def main() -> None:
     """Read the plan named on the command line and run it."""
     try:
+        # die with the harness (in basic mode this survives the exec and covers the program itself)
+        _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
         with open(sys.argv[1]) as f:
             plan = json.load(f)
         if plan["mode"] == "full":

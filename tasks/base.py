@@ -16,6 +16,7 @@ point ``task.data_dir`` at a local copy in the ``../shared/data`` schema.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -93,6 +94,8 @@ class Task:
         reference_output_tokens: model name -> mean full-cache output tokens, plus a ``default`` entry; the runner
             sets the budget as reference / compression ratio.
         thinking: whether the model thinks (Qwen3 ``enable_thinking``); also the default of :meth:`grade`.
+        window: recent-window override for the runner (``window: ${oc.select:task.window,64}``); ``None`` keeps the
+            global default (the paper's 64). The short offline stand-ins set a smaller one.
     """
 
     name: str = ""
@@ -104,6 +107,7 @@ class Task:
     max_length: int = 32768
     reference_output_tokens: dict[str, int] = field(default_factory=dict)
     thinking: bool = True
+    window: int | None = None
 
     #: file name of the task in ``data_dir``
     local_file: ClassVar[str | None] = None
@@ -128,13 +132,34 @@ class Task:
         for model, tokens in self.reference_output_tokens.items():
             if tokens <= 0:
                 raise ValueError(f"task.reference_output_tokens.{model}: must be > 0, got {tokens}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"task.window: must be >= 1 or null, got {self.window}")
         if self.data_dir is not None:
             self.data_dir = str(self.data_dir)
             if not Path(self.data_dir).is_dir():
-                raise ValueError(f"task.data_dir: no such directory: {self.data_dir} (absolute: "
-                                 f"{Path(self.data_dir).resolve()})")
+                raise ValueError(
+                    f"task.data_dir: no such directory: {self.data_dir} (absolute: {Path(self.data_dir).resolve()})"
+                )
 
     # ---------------------------------------------------------------------------------------------------- loading
+
+    def hub_sources(self) -> list[dict]:
+        """The hub datasets this task loads by default: ``{"dataset", "config", "split", "revision"}`` each."""
+        return []
+
+    def describe(self) -> dict:
+        """Where the problems come from, for the run manifest: the local file and its sha256 when ``data_dir`` is
+        set, else the pinned hub datasets."""
+        out: dict[str, Any] = {"name": self.name, "task_class": f"{type(self).__module__}.{type(self).__qualname__}"}
+        if self.data_dir is not None:
+            out["data_dir"] = str(Path(self.data_dir).resolve())
+            if self.local_file and (Path(self.data_dir) / self.local_file).is_file():
+                path = Path(self.data_dir) / self.local_file
+                out["file"] = self.local_file
+                out["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            out["hub"] = self.hub_sources()
+        return out
 
     def load(self) -> list[Problem]:
         """The problems of this shard, in a deterministic order (``limit`` first, then round-robin sharding)."""
@@ -224,8 +249,10 @@ class Task:
 
 def hf_offline() -> bool:
     """Whether ``HF_DATASETS_OFFLINE`` or ``HF_HUB_OFFLINE`` is set to a true value."""
-    return any(os.environ.get(k, "").strip().upper() in ("1", "ON", "YES", "TRUE")
-               for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    return any(
+        os.environ.get(k, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+        for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    )
 
 
 def hub_cached(dataset: str) -> bool:

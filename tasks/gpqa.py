@@ -99,6 +99,18 @@ class GPQADiamond(Task):
         """Config ``gpqa_diamond``, split ``train`` (its only split)."""
         return self.hub_rows("Idavidrein/gpqa", "gpqa_diamond", "train", GPQA_REVISION, self.hub_problem)
 
+    def hub_sources(self) -> list[dict]:
+        """``Idavidrein/gpqa``, config ``gpqa_diamond``, split ``train`` (gated)."""
+        return [{"dataset": "Idavidrein/gpqa", "config": "gpqa_diamond", "split": "train", "revision": GPQA_REVISION}]
+
+    def describe(self) -> dict:
+        """Source plus the shuffling settings."""
+        return {
+            **super().describe(),
+            "shuffle_choices": self.shuffle_choices or self.data_dir is None,
+            "seed": self.seed,
+        }
+
     def grade(self, problem: Problem, output: str, thinking: bool | None = None) -> Grade:
         """The chosen letter (boxed or stated) against the gold letter."""
         letter, truncated = extract_choice(

@@ -11,11 +11,12 @@ Rules (see ``tests/test_grading.py`` for the golden table):
   was not requested.
 * Math: the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces; an unbalanced (cut-off) box is skipped.
   Boxes that follow each other separated only by commas, "and"/"or", spaces, math delimiters or a variable name
-  (``\\boxed{2}, \\boxed{3}``, ``$x = \\boxed{2}$ and $x = \\boxed{3}$``) are one multi-part answer, joined with ", ". Equivalence is decided by math-verify (gold first) after light
-  normalisation of both sides (percent signs, degree signs, ``\\!``, unicode minus, a trailing period, a wrapping
-  ``\\text{}``); a gold written in another base (``52_8``) needs the same digits and base or the decimal value.
-  Math-verify's timeouts use ``SIGALRM``: :func:`math_equal` uses them in the main thread and runs
-  without them elsewhere; :func:`math_equal_many` sends work from other threads to worker processes.
+  (``\\boxed{2}, \\boxed{3}``, ``$x = \\boxed{2}$ and $x = \\boxed{3}$``) are one multi-part answer, joined with
+  ", ". Equivalence is decided by math-verify (gold first) after light normalisation of both sides (percent signs,
+  degree signs, ``\\!``, unicode minus, a trailing period, a wrapping ``\\text{}``). A gold written in another base
+  (``52_8``) needs the same digits and base, or the decimal value. Math-verify's timeouts use ``SIGALRM``:
+  :func:`math_equal` uses them in the main thread and runs without them elsewhere; :func:`math_equal_many` sends work
+  from other threads to worker processes.
 * Multiple choice: the boxed letter (``\\boxed{C}``, ``\\boxed{\\text{(C)}}``, ``\\boxed{c}``, ``\\boxed{C. text}``) or
   the boxed text of one option; without a box, the last "answer is C" / "Answer: (c)" statement, then the last
   stand-alone "(C)", then a final line that is only a letter.
@@ -26,7 +27,6 @@ Rules (see ``tests/test_grading.py`` for the golden table):
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 from collections.abc import Sequence
@@ -248,7 +248,9 @@ def _math_pool() -> ProcessPoolExecutor:
         if _pool is None:
             import multiprocessing
 
-            workers = max(1, min(os.cpu_count() or 1, 4))
+            from tasks.sandbox import available_cores
+
+            workers = min(available_cores(), 4)
             _pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
         return _pool
 

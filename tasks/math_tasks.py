@@ -93,6 +93,10 @@ class AIME25(MathTask):
         """Split ``test`` of the pinned revision."""
         return self.hub_rows(self.hub_id, None, "test", self.hub_revision, self.problem_from_row)
 
+    def hub_sources(self) -> list[dict]:
+        """``math-ai/aime2x``, split ``test``."""
+        return [{"dataset": self.hub_id, "config": None, "split": "test", "revision": self.hub_revision}]
+
 
 @dataclass
 class AIME26(AIME25):
@@ -118,6 +122,18 @@ class AIME(MathTask):
         unknown = [y for y in self.years if y not in _AIME_BY_YEAR]
         if unknown or not self.years:
             raise ValueError(f"task.years: must be a non-empty subset of {sorted(_AIME_BY_YEAR)}, got {self.years}")
+
+    def hub_sources(self) -> list[dict]:
+        """One entry per year."""
+        return [src for year in self.years for src in _AIME_BY_YEAR[year]().hub_sources()]
+
+    def describe(self) -> dict:
+        """Per-year sources (each year has its own local file)."""
+        return {
+            **super().describe(),
+            "years": list(self.years),
+            "parts": [_AIME_BY_YEAR[y](data_dir=self.data_dir).describe() for y in self.years],
+        }
 
     def load_all(self) -> list[Problem]:
         """Each year's problems in order, years in the configured order."""
@@ -150,14 +166,21 @@ class HMMT25(MathTask):
         """Fields ``problem``, ``answer``, ``id``."""
         return Problem(str(row.get("id", index)), self.make_prompt(row["problem"]), str(row["answer"]).strip(), {})
 
+    def hub_sources(self) -> list[dict]:
+        """February then November."""
+        return [{"dataset": d, "config": None, "split": "train", "revision": r} for d, r, _ in self.hub_parts]
+
     def load_hub(self) -> list[Problem]:
         """Split ``train`` of both competitions, February first."""
         out: list[Problem] = []
         for dataset, revision, part in self.hub_parts:
             for row in load_hub_dataset(self.name, dataset, None, "train", revision):
                 idx = len(out)
-                out.append(Problem(str(idx), self.make_prompt(row["problem"]), str(row["answer"]).strip(),
-                                   {"competition": part}))
+                out.append(
+                    Problem(
+                        str(idx), self.make_prompt(row["problem"]), str(row["answer"]).strip(), {"competition": part}
+                    )
+                )
         return out
 
 
@@ -176,6 +199,10 @@ class MATH500(MathTask):
     def load_hub(self) -> list[Problem]:
         """Split ``test`` of the pinned revision."""
         return self.hub_rows("HuggingFaceH4/MATH-500", None, "test", MATH500_REVISION, self.problem_from_row)
+
+    def hub_sources(self) -> list[dict]:
+        """``HuggingFaceH4/MATH-500``, split ``test``."""
+        return [{"dataset": "HuggingFaceH4/MATH-500", "config": None, "split": "test", "revision": MATH500_REVISION}]
 
 
 def gsm8k_gold(answer: str) -> str:
@@ -204,6 +231,10 @@ class GSM8K(MathTask):
     def load_hub(self) -> list[Problem]:
         """Split ``test`` of config ``main``."""
         return self.hub_rows("openai/gsm8k", "main", "test", GSM8K_REVISION, self.problem_from_row)
+
+    def hub_sources(self) -> list[dict]:
+        """``openai/gsm8k``, config ``main``, split ``test``."""
+        return [{"dataset": "openai/gsm8k", "config": "main", "split": "test", "revision": GSM8K_REVISION}]
 
 
 @dataclass
@@ -239,6 +270,19 @@ class GSMSymbolic(MathTask):
             meta = {"difficulty": item.get("metadata", {}).get("difficulty")}
             out.append(Problem(f"{self.seed}-{i}", self.make_prompt(item["question"]), str(item["answer"]), meta))
         return out
+
+    def describe(self) -> dict:
+        """The generator and its parameters."""
+        import reasoning_gym
+
+        return {
+            "name": self.name,
+            "task_class": f"{type(self).__module__}.{type(self).__qualname__}",
+            "generator": "reasoning_gym gsm_symbolic",
+            "reasoning_gym": getattr(reasoning_gym, "__version__", None),
+            "seed": self.seed,
+            "size": self.size,
+        }
 
     def load_local(self, data_dir: Path) -> list[Problem]:  # pragma: no cover - data_dir is rejected
         """Not used."""

@@ -4,23 +4,32 @@ Nothing generated ever runs in the harness process. :func:`run_program` starts o
 trusted launcher ``tasks/_sandbox_launcher.py`` (a fresh interpreter, so no ``preexec_fn`` runs in the
 multi-threaded harness) and enforces:
 
-* wall clock (the harness kills the whole process group, then sweeps the sandbox uid), CPU time (``RLIMIT_CPU``),
-  address space (``RLIMIT_AS``), process/thread count (``RLIMIT_NPROC``), file size (``RLIMIT_FSIZE``), open files
-  (``RLIMIT_NOFILE``), no core dumps, and an output cap (stdout and stderr are read incrementally and the program is
-  killed as soon as either passes ``max_output_bytes``: printing 1 GB never gets buffered);
-* a clean environment (only ``PATH``, ``HOME``, ``TMPDIR``, ``LANG`` and single-thread BLAS settings: no harness
-  variable, hence no secret, reaches the program) and a fresh temporary working directory, which is also ``HOME``.
+* wall clock: past ``timeout_s`` the harness kills the run (full mode: the launcher kills the program's PID
+  namespace, then the sandbox uid is swept; basic mode: the whole process group gets SIGKILL). CPU time
+  (``RLIMIT_CPU``), address space (``RLIMIT_AS``), processes + threads (``RLIMIT_NPROC``), file size
+  (``RLIMIT_FSIZE``), open files (``RLIMIT_NOFILE``), no core dumps, and an output cap: stdout and stderr are read
+  incrementally and the program is killed as soon as either passes ``max_output_bytes`` (printing 1 GB never gets
+  buffered);
+* a clean environment (only ``PATH``, ``HOME``, ``TMPDIR``, ``LANG``/``LC_ALL`` and single-thread BLAS settings: no
+  harness variable, hence no secret, reaches the program) and a fresh temporary working directory, also ``HOME``;
+* the run dies with the harness (``PR_SET_PDEATHSIG``) and never outlives ``timeout_s + 5`` s (launcher alarm).
+
+The program runs as ``__main__`` of the harness's interpreter in isolated mode, without :mod:`site` start-up but with
+the site-packages directories importable (see :func:`_bootstrap`).
 
 Isolation levels (:func:`isolation_mode`, probed once):
 
 * ``full`` (the harness runs as root and namespaces work): private network, mount, PID, IPC and UTS namespaces;
   ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock`` and the harness user's home are covered by fresh tmpfs mounts
-  (writes go nowhere); a private ``/proc``; the program runs as a dedicated unprivileged uid (one per concurrent run,
-  from :data:`SANDBOX_UID_BASE`, so ``RLIMIT_NPROC`` - ignored for root - bounds each run separately). The program
-  cannot see or signal the harness, and everything it forked dies with it.
+  (writes go nowhere; the Python installation is re-bound read-only where a cover hid it); a private ``/proc``; the
+  program runs as a dedicated unprivileged uid, one per concurrent run (from :data:`SANDBOX_UID_BASE`, reserved with
+  a lock file so several harness processes on one machine never share one), so ``RLIMIT_NPROC`` - ignored for
+  root - bounds each run separately. The program cannot see or signal the harness, and everything it forked dies
+  with it.
 * ``basic`` (anything else, e.g. an unprivileged user on a cluster): the limits above, a new session killed as a
   group, and a private network namespace only if unprivileged user namespaces are allowed. Files outside the working
-  directory are protected only by the user's own permissions. A warning is logged once.
+  directory are protected only by the user's own permissions, and ``RLIMIT_NPROC`` counts all the user's processes
+  (it is set to their current count + ``max_procs``). A warning is logged once.
 
 Not covered even in ``full`` mode: reads of world-readable files (the program can read the code base and system
 files, never write them), and CPU/memory contention with the harness beyond the limits.
@@ -30,6 +39,8 @@ files, never write them), and CPU/memory contention with the harness beyond the 
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import json
 import logging
 import os
@@ -37,6 +48,7 @@ import pwd
 import selectors
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -44,7 +56,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -54,6 +66,7 @@ SETUP_ERROR_STATUS = 125
 SETUP_ERROR_TAG = "VASE_SANDBOX_SETUP_ERROR"
 #: First uid used for sandboxed programs in ``full`` mode; run ``i`` of those in flight at once gets ``BASE + i``.
 SANDBOX_UID_BASE = 64000
+MAX_SANDBOX_UIDS = 1024
 #: Working directory of the program inside the private ``/tmp`` in ``full`` mode.
 FULL_MODE_WORKDIR = "/tmp/vase_sandbox"
 COVERED_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
@@ -109,6 +122,7 @@ class SandboxResult:
         returncode: exit status; negative for a signal (as :mod:`subprocess`); ``None`` if never started.
         wall_s: wall-clock seconds from start to the end of the cleanup.
         reason: short human-readable cause of a non-``ok`` status.
+        uid: the unprivileged uid the program ran as (full mode), for debugging.
     """
 
     status: str
@@ -117,6 +131,7 @@ class SandboxResult:
     returncode: int | None = None
     wall_s: float = 0.0
     reason: str = ""
+    uid: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -141,7 +156,7 @@ class Program:
 _mode_lock = threading.Lock()
 _mode: str | None = None
 _uid_lock = threading.Lock()
-_uids_in_use: set[int] = set()
+_uids_in_use: dict[int, int] = {}  # uid -> fd holding its lock file
 
 
 def _covered_dirs() -> list[tuple[str, str, int]]:
@@ -175,28 +190,45 @@ def isolation_mode() -> str:
                 if probe.ok and probe.stdout.strip() != "0":
                     _mode = "full"
                 else:
-                    logger.warning("sandbox: full isolation unavailable (%s %s); using basic mode",
-                                   probe.status, (probe.reason + " " + probe.stderr)[-300:])
+                    logger.warning(
+                        "sandbox: full isolation unavailable (%s %s); using basic mode",
+                        probe.status,
+                        (probe.reason + " " + probe.stderr)[-300:],
+                    )
             if _mode == "basic":
                 logger.warning(
                     "sandbox: basic isolation only (resource limits, clean environment, fresh working directory; "
-                    "no private filesystem, and the process-count limit is shared with this user's processes)"
+                    "no private filesystem, network isolation only where unprivileged user namespaces work, and the "
+                    "process-count limit is shared with this user's processes)"
                 )
         return _mode
 
 
 def _acquire_uid() -> int:
+    """A sandbox uid no other run uses, in this process (a set) or in another harness process on the machine (an
+    ``flock`` on ``<tmp>/vase-sandbox-locks/uid-<uid>.lock``, released by the kernel if the holder dies)."""
+    lock_dir = Path(tempfile.gettempdir()) / "vase-sandbox-locks"
+    lock_dir.mkdir(mode=0o700, exist_ok=True)
     with _uid_lock:
-        uid = SANDBOX_UID_BASE
-        while uid in _uids_in_use:
-            uid += 1
-        _uids_in_use.add(uid)
-        return uid
+        for uid in range(SANDBOX_UID_BASE, SANDBOX_UID_BASE + MAX_SANDBOX_UIDS):
+            if uid in _uids_in_use:
+                continue
+            fd = os.open(lock_dir / f"uid-{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                continue
+            _uids_in_use[uid] = fd
+            return uid
+    raise RuntimeError(f"sandbox: all {MAX_SANDBOX_UIDS} sandbox uids from {SANDBOX_UID_BASE} are in use")
 
 
 def _release_uid(uid: int) -> None:
     with _uid_lock:
-        _uids_in_use.discard(uid)
+        fd = _uids_in_use.pop(uid, None)
+    if fd is not None:
+        os.close(fd)  # drops the flock
 
 
 def _pids_of_uid(uid: int, include_zombies: bool = False) -> list[int]:
@@ -208,7 +240,9 @@ def _pids_of_uid(uid: int, include_zombies: bool = False) -> list[int]:
         try:
             with open(f"/proc/{entry.name}/status") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
-            if int(fields["Uid"].split()[0]) == uid and (include_zombies or not fields["State"].strip().startswith("Z")):
+            if int(fields["Uid"].split()[0]) == uid and (
+                include_zombies or not fields["State"].strip().startswith("Z")
+            ):
                 pids.append(int(entry.name))
         except (OSError, ValueError, KeyError):
             continue
@@ -263,6 +297,25 @@ def _rlimits(limits: SandboxLimits, mode: str) -> dict[str, list[int]]:
         "RLIMIT_NOFILE": [limits.max_open_files, limits.max_open_files],
         "RLIMIT_CORE": [0, 0],
     }
+
+
+@functools.lru_cache(maxsize=1)
+def _bootstrap() -> str:
+    """The ``python -I -S -c`` code that runs ``main.py`` as ``__main__``.
+
+    Skipping :mod:`site` halves the interpreter start-up (no ``.pth`` processing), which dominates short test runs;
+    the bootstrap restores what generated code relies on: the site-packages directories (after the standard library,
+    so numpy & co. stay importable) and the ``exit``/``quit`` builtins. ``runpy`` sets ``__name__ == "__main__"``,
+    ``__file__`` and ``sys.argv[0] = "main.py"``. The working directory is not on ``sys.path`` (as with ``-I``).
+    """
+    dirs = [d for d in site.getsitepackages() if os.path.isdir(d)]
+    return (
+        "import sys, builtins\n"
+        f"sys.path.extend({dirs!r})\n"
+        "builtins.exit = builtins.quit = sys.exit\n"
+        "import runpy\n"
+        "runpy.run_path('main.py', run_name='__main__')\n"
+    )
 
 
 def _clean_env(workdir: str) -> dict[str, str]:
@@ -355,8 +408,8 @@ def _run(
     args: Sequence[str] = (),
 ) -> SandboxResult:
     start = time.monotonic()
-    base = Path(tempfile.mkdtemp(prefix="vase-sbx-"))
     uid = _acquire_uid() if mode == "full" else None
+    base = Path(tempfile.mkdtemp(prefix="vase-sbx-"))
     proc = None
     try:
         all_files = {"main.py": code, **dict(files or {})}
@@ -379,9 +432,10 @@ def _run(
             plan = {"mode": "basic", "isolate_network": True}
         plan.update(
             workdir=workdir,
-            argv=[os.path.realpath(sys.executable), "-I", "main.py", *args],
+            argv=[os.path.realpath(sys.executable), "-I", "-S", "-c", _bootstrap(), *args],
             env=_clean_env(workdir),
             rlimits=_rlimits(limits, mode),
+            deadline_s=limits.timeout_s + 5.0,
         )
         plan_path = base / "plan.json"
         plan_path.write_text(json.dumps(plan))
@@ -409,10 +463,13 @@ def _run(
             stop = stop or "timeout"
             _stop(proc, uid)
             returncode = proc.wait()
-        _kill_group(proc.pid)  # detached leftovers of the program's own group (basic mode)
-        if uid is not None:
-            _kill_uid(uid)
-        return _result(returncode, out, err, stop, limits, time.monotonic() - start)
+        if uid is None:
+            _kill_group(proc.pid)  # basic mode: leftovers of the program's own group
+        else:
+            _kill_uid(uid)  # full mode: the namespace is gone already; this is a backstop
+        result = _result(returncode, out, err, stop, limits, time.monotonic() - start)
+        result.uid = uid
+        return result
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         if proc is not None and proc.poll() is None:
             _stop(proc, uid)
@@ -438,7 +495,7 @@ def _result(
     elif stop == "timeout":
         res.status, res.reason = "timeout", f"wall clock exceeded {limits.timeout_s:g} s"
     elif returncode == SETUP_ERROR_STATUS and SETUP_ERROR_TAG in stderr:
-        res.status, res.reason = "error", stderr[stderr.index(SETUP_ERROR_TAG):].splitlines()[0]
+        res.status, res.reason = "error", stderr[stderr.index(SETUP_ERROR_TAG) :].splitlines()[0]
     elif returncode == -signal.SIGXCPU:
         res.status, res.reason = "timeout", "CPU time limit"
     elif returncode < 0:
@@ -463,8 +520,8 @@ def run_program(
     """Run the Python program ``code`` in a sandbox and return its outcome (never raises for program failures).
 
     Args:
-        code: Python source, saved as ``main.py`` in a fresh working directory and run with ``python -I main.py``
-            (the harness's interpreter, so its site-packages such as numpy are importable).
+        code: Python source, saved as ``main.py`` in a fresh working directory and run as ``__main__`` by the harness's
+            interpreter in isolated mode, with its site-packages (numpy...) importable; see :func:`_bootstrap`.
         stdin: bytes fed to the program's standard input.
         timeout_s: wall-clock limit (overridden by ``limits`` when given).
         memory_mb: address-space limit (overridden by ``limits`` when given).
@@ -476,9 +533,17 @@ def run_program(
     return _run(code, stdin, limits=limits, mode=isolation_mode(), files=files, args=args)
 
 
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity, e.g. under Slurm or a container), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def default_workers(n_jobs: int) -> int:
-    """Parallel sandbox workers: one per core, never more than the jobs."""
-    return max(1, min(os.cpu_count() or 1, n_jobs))
+    """Parallel sandbox workers: one per available core, never more than the jobs."""
+    return max(1, min(available_cores(), n_jobs))
 
 
 def run_many(
@@ -499,8 +564,3 @@ def run_many(
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox") as pool:
         return list(pool.map(one, items))
-
-
-def with_limits(limits: SandboxLimits, **changes: float | int | None) -> SandboxLimits:
-    """A copy of ``limits`` with some fields changed (validated)."""
-    return replace(limits, **changes)

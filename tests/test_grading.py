@@ -7,7 +7,6 @@ import base64
 import json
 import pickle
 import threading
-import time
 import zlib
 
 import pytest
@@ -55,8 +54,13 @@ MATH_ROWS = [
     ("\\frac{1}{576}", T + "$\\boxed{\\frac{1}{576}}$", True, "\\frac{1}{576}", True),
     ("\\frac{9 \\sqrt{23}}{23}", T + "\\boxed{\\frac{9\\sqrt{23}}{23}}", True, "\\frac{9\\sqrt{23}}{23}", True),
     ("\\sqrt{\\frac{95}{24}}", T + "\\boxed{\\frac{\\sqrt{570}}{12}}", True, "\\frac{\\sqrt{570}}{12}", True),
-    ("\\{1\\pm\\sqrt{5},-2\\}", T + "\\boxed{\\{-2, 1+\\sqrt{5}, 1-\\sqrt{5}\\}}", True,
-     "\\{-2, 1+\\sqrt{5}, 1-\\sqrt{5}\\}", True),
+    (
+        "\\{1\\pm\\sqrt{5},-2\\}",
+        T + "\\boxed{\\{-2, 1+\\sqrt{5}, 1-\\sqrt{5}\\}}",
+        True,
+        "\\{-2, 1+\\sqrt{5}, 1-\\sqrt{5}\\}",
+        True,
+    ),
     ("7", T + "\\boxed{\\boxed{7}}", True, "\\boxed{7}", True),
     # \dfrac, \frac12, \frac 59
     ("\\frac{1311}{2017}", T + "\\boxed{\\dfrac{1311}{2017}}", True, "\\dfrac{1311}{2017}", True),
@@ -94,23 +98,41 @@ MATH_ROWS = [
     # intervals, sets, tuples, matrices
     ("(3,4]", T + "\\boxed{(3, 4]}", True, "(3, 4]", True),
     ("(3,4]", T + "\\boxed{[3,4]}", True, "[3,4]", False),
-    ("(-\\infty, 2) \\cup (3, \\infty)", T + "\\boxed{(-\\infty,2)\\cup(3,\\infty)}", True,
-     "(-\\infty,2)\\cup(3,\\infty)", True),
+    (
+        "(-\\infty, 2) \\cup (3, \\infty)",
+        T + "\\boxed{(-\\infty,2)\\cup(3,\\infty)}",
+        True,
+        "(-\\infty,2)\\cup(3,\\infty)",
+        True,
+    ),
     ("x \\in [-2,7]", T + "\\boxed{[-2, 7]}", True, "[-2, 7]", True),
     ("\\left( 3, \\frac{\\pi}{2} \\right)", T + "\\boxed{(3, \\frac{\\pi}{2})}", True, "(3, \\frac{\\pi}{2})", True),
-    ("\\begin{pmatrix} -2 \\\\ -14 \\\\ -7 \\end{pmatrix}", T + "\\boxed{\\begin{pmatrix}-2\\\\-14\\\\-7\\end{pmatrix}}",
-     True, "\\begin{pmatrix}-2\\\\-14\\\\-7\\end{pmatrix}", True),
+    (
+        "\\begin{pmatrix} -2 \\\\ -14 \\\\ -7 \\end{pmatrix}",
+        T + "\\boxed{\\begin{pmatrix}-2\\\\-14\\\\-7\\end{pmatrix}}",
+        True,
+        "\\begin{pmatrix}-2\\\\-14\\\\-7\\end{pmatrix}",
+        True,
+    ),
     ("3, 5, 7", T + "\\boxed{3, 5}", True, "3, 5", False),
     # several boxes
     ("6", T + "First guess: \\boxed{5}. Wait, that double counts. Recounting gives \\boxed{6}.", True, "6", True),
     ("204", T + "So $\\boxed{200}$... Actually I forgot the corners. Final: $\\boxed{204}$", True, "204", True),
-    ("\\frac{-1+\\sqrt{17}}{2}, \\frac{-1-\\sqrt{17}}{2}",
-     T + "$x = \\boxed{\\frac{-1+\\sqrt{17}}{2}}$ and $x = \\boxed{\\frac{-1-\\sqrt{17}}{2}}$", True,
-     "\\frac{-1+\\sqrt{17}}{2}, \\frac{-1-\\sqrt{17}}{2}", True),
+    (
+        "\\frac{-1+\\sqrt{17}}{2}, \\frac{-1-\\sqrt{17}}{2}",
+        T + "$x = \\boxed{\\frac{-1+\\sqrt{17}}{2}}$ and $x = \\boxed{\\frac{-1-\\sqrt{17}}{2}}$",
+        True,
+        "\\frac{-1+\\sqrt{17}}{2}, \\frac{-1-\\sqrt{17}}{2}",
+        True,
+    ),
     ("5", T + "We get \\boxed{3} for part one; the total is therefore \\boxed{5}.", True, "5", True),
-    ("\\frac{1+\\sqrt{17}}{2}, \\frac{1-\\sqrt{17}}{2}",
-     T + "$\\boxed{\\frac{1+\\sqrt{17}}{2}}$, $\\boxed{\\frac{1-\\sqrt{17}}{2}}$", True,
-     "\\frac{1+\\sqrt{17}}{2}, \\frac{1-\\sqrt{17}}{2}", True),
+    (
+        "\\frac{1+\\sqrt{17}}{2}, \\frac{1-\\sqrt{17}}{2}",
+        T + "$\\boxed{\\frac{1+\\sqrt{17}}{2}}$, $\\boxed{\\frac{1-\\sqrt{17}}{2}}$",
+        True,
+        "\\frac{1+\\sqrt{17}}{2}, \\frac{1-\\sqrt{17}}{2}",
+        True,
+    ),
     ("2, 3", T + "\\boxed{2} and \\boxed{3}", True, "2, 3", True),
     ("5", T + "\\boxed{5}\\boxed{5}", True, "5", True),
     # a box only inside the thinking, truncated output, no box
@@ -160,8 +182,11 @@ CHOICE_ROWS = [
 
 OPTIONS = ["10^-4 ev", "10^-8 ev", "10^-9 ev", "10^-11 ev"]
 
-TOY = {"prompt": "def double(x):\n    \"\"\"Return 2 * x.\"\"\"\n", "entry_point": "double",
-       "test": "def check(candidate):\n    assert candidate(2) == 4\n    assert candidate(-3) == -6\n"}
+TOY = {
+    "prompt": 'def double(x):\n    """Return 2 * x."""\n',
+    "entry_point": "double",
+    "test": "def check(candidate):\n    assert candidate(2) == 4\n    assert candidate(-3) == -6\n",
+}
 GOOD = "def double(x):\n    return 2 * x\n"
 # (output, thinking, expected_extracted, expected_correct)
 CODE_ROWS = [
@@ -182,8 +207,9 @@ def test_golden_table_is_large_enough() -> None:
 
 
 @pytest.mark.parametrize(("gold", "output", "thinking", "expected_extracted", "expected_correct"), MATH_ROWS)
-def test_golden_math(gold: str, output: str, thinking: bool, expected_extracted: str | None,
-                     expected_correct: bool) -> None:
+def test_golden_math(
+    gold: str, output: str, thinking: bool, expected_extracted: str | None, expected_correct: bool
+) -> None:
     grade = MATH500().grade(Problem("p", "q", gold), output, thinking)
     assert grade.extracted == expected_extracted
     assert grade.correct is expected_correct
@@ -193,8 +219,9 @@ def test_golden_math(gold: str, output: str, thinking: bool, expected_extracted:
 
 
 @pytest.mark.parametrize(("gold", "output", "thinking", "expected_extracted", "expected_correct"), CHOICE_ROWS)
-def test_golden_choice(gold: str, output: str, thinking: bool, expected_extracted: str | None,
-                       expected_correct: bool) -> None:
+def test_golden_choice(
+    gold: str, output: str, thinking: bool, expected_extracted: str | None, expected_correct: bool
+) -> None:
     grade = GPQADiamond().grade(Problem("p", "q", gold, {"options": OPTIONS}), output, thinking)
     assert grade.extracted == expected_extracted
     assert grade.correct is expected_correct
@@ -273,8 +300,10 @@ def test_math_equal_many_off_main_thread_uses_worker_processes() -> None:
 
 def test_math_grade_many_from_a_thread_matches_main_thread() -> None:
     task = MATH500()
-    items = [(Problem(str(i), "q", g), T + f"\\boxed{{{p}}}") for i, (g, p) in
-             enumerate([("\\frac{1}{2}", "\\dfrac12"), ("5", "6"), ("(1,2)", "(1, 2)")])]
+    items = [
+        (Problem(str(i), "q", g), T + f"\\boxed{{{p}}}")
+        for i, (g, p) in enumerate([("\\frac{1}{2}", "\\dfrac12"), ("5", "6"), ("(1,2)", "(1, 2)")])
+    ]
     main = task.grade_many(items, thinking=True)
     other = _in_thread(task.grade_many, items, True)
     assert main == other
@@ -294,18 +323,30 @@ def hub_row(qid: str, cases: list[dict], func_name: str | None = None, public: i
     kind = "functional" if func_name else "stdin"
     cases = [{**c, "testtype": kind} for c in cases]
     return {
-        "question_title": f"title {qid}", "question_content": f"Problem {qid}.", "platform": "atcoder",
-        "question_id": qid, "contest_id": "abc000", "contest_date": "2025-01-01T00:00:00",
-        "starter_code": extra.get("starter_code", ""), "difficulty": extra.get("difficulty", "medium"),
-        "public_test_cases": json.dumps(cases[:public]), "private_test_cases": encode_private(cases[public:]),
+        "question_title": f"title {qid}",
+        "question_content": f"Problem {qid}.",
+        "platform": "atcoder",
+        "question_id": qid,
+        "contest_id": "abc000",
+        "contest_date": "2025-01-01T00:00:00",
+        "starter_code": extra.get("starter_code", ""),
+        "difficulty": extra.get("difficulty", "medium"),
+        "public_test_cases": json.dumps(cases[:public]),
+        "private_test_cases": encode_private(cases[public:]),
         "metadata": json.dumps({"func_name": func_name} if func_name else {}),
     }
 
 
-SUM_CASES = [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -4\n", "output": "6\n"},
-             {"input": "5 5\n", "output": "10\n"}]
-MAX_CASES = [{"input": "[1, 5, 3]", "output": "5"}, {"input": "[-4, -2]", "output": "-2"},
-             {"input": "[7]", "output": "7"}]
+SUM_CASES = [
+    {"input": "1 2\n", "output": "3\n"},
+    {"input": "10 -4\n", "output": "6\n"},
+    {"input": "5 5\n", "output": "10\n"},
+]
+MAX_CASES = [
+    {"input": "[1, 5, 3]", "output": "5"},
+    {"input": "[-4, -2]", "output": "-2"},
+    {"input": "[7]", "output": "7"},
+]
 PAIR_CASES = [{"input": "[3, 1]\n2", "output": "[1, 2, 3]"}, {"input": "[5]\n9", "output": "[5, 9]"}]
 
 
@@ -316,8 +357,11 @@ def _fenced(code: str) -> str:
 def test_decode_test_cases_roundtrip_and_refuses_objects() -> None:
     row = hub_row("abc000_a", SUM_CASES)
     tests = lcb_tests_from_row(row)
-    assert tests == {"fn_name": None, "inputs": [c["input"] for c in SUM_CASES],
-                     "outputs": [c["output"] for c in SUM_CASES]}
+    assert tests == {
+        "fn_name": None,
+        "inputs": [c["input"] for c in SUM_CASES],
+        "outputs": [c["output"] for c in SUM_CASES],
+    }
     evil = base64.b64encode(zlib.compress(pickle.dumps(threading.Thread))).decode()
     with pytest.raises(pickle.UnpicklingError):
         decode_test_cases(evil)
@@ -325,8 +369,17 @@ def test_decode_test_cases_roundtrip_and_refuses_objects() -> None:
 
 @pytest.mark.parametrize(
     ("got", "expected", "ok"),
-    [("3\n", "3", True), ("  3  \n\n", "3\n", True), ("1 2\n3 4", "1 2\n3 4\n", True), ("3.0", "3", True),
-     ("0.50 1", "0.5 1.0", True), ("YES", "yes", False), ("1 2", "1 2 3", False), ("1\n2", "1", False), ("", "0", False)],
+    [
+        ("3\n", "3", True),
+        ("  3  \n\n", "3\n", True),
+        ("1 2\n3 4", "1 2\n3 4\n", True),
+        ("3.0", "3", True),
+        ("0.50 1", "0.5 1.0", True),
+        ("YES", "yes", False),
+        ("1 2", "1 2 3", False),
+        ("1\n2", "1", False),
+        ("", "0", False),
+    ],
 )
 def test_lcb_outputs_match(got: str, expected: str, ok: bool) -> None:
     assert lcb_outputs_match(got, expected) is ok
@@ -334,9 +387,14 @@ def test_lcb_outputs_match(got: str, expected: str, ok: bool) -> None:
 
 SUM_OK = "a, b = map(int, input().split())\nprint(a + b)\n"
 SUM_BUFFER = "import sys\na, b = map(int, sys.stdin.buffer.read().split())\nsys.stdout.write(f'{a + b}\\n')\n"
-SUM_MAIN = "def main():\n    a, b = map(int, input().split())\n    print(a + b)\n\nif __name__ == '__main__':\n    main()\n"
+SUM_MAIN = (
+    "def main():\n    a, b = map(int, input().split())\n    print(a + b)\n\nif __name__ == '__main__':\n    main()\n"
+)
 SUM_PRELUDE = "a, b = map(int, stdin.readline().split())\nprint(a + b)\n"  # `stdin` comes from the prelude
-MAX_OK = "class Solution:\n    def maxOf(self, nums: List[int]) -> int:\n        print('debug', nums)\n        return max(nums)\n"
+MAX_OK = (
+    "class Solution:\n    def maxOf(self, nums: List[int]) -> int:\n        print('debug', nums)\n"
+    "        return max(nums)\n"
+)
 PAIR_TUPLE = "class Solution:\n    def addSorted(self, nums, x):\n        return tuple(sorted(nums + [x]))\n"
 
 
@@ -351,18 +409,34 @@ PAIR_TUPLE = "class Solution:\n    def addSorted(self, nums, x):\n        return
         (SUM_CASES, None, "raise ValueError('boom')\n", False, "runtime_error"),
         (SUM_CASES, None, "while True:\n    pass\n", False, "timeout"),
         (MAX_CASES, "maxOf", MAX_OK, True, ""),
-        (MAX_CASES, "maxOf", "class Solution:\n    def maxOf(self, nums):\n        return min(nums)\n", False,
-         "wrong_answer"),
-        (MAX_CASES, "maxOf", "class Solution:\n    def maxOf(self, nums):\n        return nums[5]\n", False,
-         "runtime_error"),
+        (
+            MAX_CASES,
+            "maxOf",
+            "class Solution:\n    def maxOf(self, nums):\n        return min(nums)\n",
+            False,
+            "wrong_answer",
+        ),
+        (
+            MAX_CASES,
+            "maxOf",
+            "class Solution:\n    def maxOf(self, nums):\n        return nums[5]\n",
+            False,
+            "runtime_error",
+        ),
         (MAX_CASES, "maxOf", "class Solution:\n    def other(self, nums):\n        return 0\n", False, "compile_error"),
-        (MAX_CASES, "maxOf", "class Solution:\n    def maxOf(self, nums):\n        while True: pass\n", False, "timeout"),
+        (
+            MAX_CASES,
+            "maxOf",
+            "class Solution:\n    def maxOf(self, nums):\n        while True: pass\n",
+            False,
+            "timeout",
+        ),
         (MAX_CASES, "maxOf", "def maxOf(nums):\n    return max(nums)\n", True, ""),
         (PAIR_CASES, "addSorted", PAIR_TUPLE, True, ""),
     ],
 )
 def test_livecodebench_grader(cases: list[dict], func: str | None, code: str, correct: bool, detail: str) -> None:
-    task = LiveCodeBench(timeout_s=1.0)
+    task = LiveCodeBench(timeout_s=0.5)
     problem = task.hub_problem(hub_row("q1", cases, func), 0)
     grade = task.grade(problem, _fenced(code), thinking=True)
     assert grade.extracted == code
@@ -374,11 +448,23 @@ def test_livecodebench_grade_many_parallel_and_no_tests() -> None:
     stdin_p = task.hub_problem(hub_row("q1", SUM_CASES), 0)
     func_p = task.hub_problem(hub_row("q2", MAX_CASES, "maxOf"), 1)
     no_tests = Problem("q3", "prompt", None)
-    items = [(stdin_p, _fenced(SUM_OK)), (func_p, _fenced(MAX_OK)), (stdin_p, _fenced("print(0)\n")),
-             (no_tests, _fenced(SUM_OK)), (stdin_p, T + "no code at all"), (stdin_p, "<think>\n```python\nprint(1)")]
+    items = [
+        (stdin_p, _fenced(SUM_OK)),
+        (func_p, _fenced(MAX_OK)),
+        (stdin_p, _fenced("print(0)\n")),
+        (no_tests, _fenced(SUM_OK)),
+        (stdin_p, T + "no code at all"),
+        (stdin_p, "<think>\n```python\nprint(1)"),
+    ]
     grades = task.grade_many(items, thinking=True)
     assert [(g.correct, g.detail) for g in grades] == [
-        (True, ""), (True, ""), (False, "wrong_answer"), (False, "no_tests"), (False, "no_code"), (False, "truncated")]
+        (True, ""),
+        (True, ""),
+        (False, "wrong_answer"),
+        (False, "no_tests"),
+        (False, "no_code"),
+        (False, "truncated"),
+    ]
     assert grades[-1].truncated
 
 
@@ -407,14 +493,21 @@ def _humaneval_items(kind: str) -> list[tuple[Problem, str]]:
     return items
 
 
-def test_humaneval_canonical_solutions_pass() -> None:
+def _check_canonical(items: list[tuple[Problem, str]]) -> None:
+    grades = HumanEval().grade_many(items)
+    assert [(p.id, g.detail) for (p, _), g in zip(items, grades) if not g.correct] == []
+
+
+def test_humaneval_canonical_solutions_pass_sample() -> None:
+    """Every 4th problem in the default suite (41); all 164 in the slow test below."""
+    _check_canonical(_humaneval_items("canonical")[::4])
+
+
+@pytest.mark.slow
+def test_humaneval_canonical_solutions_pass_all() -> None:
     items = _humaneval_items("canonical")
     assert len(items) == 164
-    start = time.monotonic()
-    grades = HumanEval().grade_many(items)
-    failed = [(p.id, g.detail) for (p, _), g in zip(items, grades) if not g.correct]
-    assert failed == []
-    assert time.monotonic() - start < 60
+    _check_canonical(items)
 
 
 def test_humaneval_empty_solution_fails_sample() -> None:

@@ -27,7 +27,9 @@ def _brute_pass_at_k(n: int, c: int, k: int) -> float:
     return sum(any(samples[i] for i in s) for s in subsets) / len(subsets)
 
 
-@pytest.mark.parametrize(("n", "c", "k"), [(n, c, k) for n in range(1, 8) for c in range(n + 1) for k in range(1, n + 1)])
+@pytest.mark.parametrize(
+    ("n", "c", "k"), [(n, c, k) for n in range(1, 8) for c in range(n + 1) for k in range(1, n + 1)]
+)
 def test_pass_at_k_matches_brute_force(n: int, c: int, k: int) -> None:
     assert pass_at_k(n, c, k) == pytest.approx(_brute_pass_at_k(n, c, k), abs=1e-12)
 
@@ -58,13 +60,17 @@ def test_mean_pass_at_k_and_groups() -> None:
     per = [[True, False], [False, False]]
     assert mean_pass_at_k(per, 1) == pytest.approx(mean_pass_at_1(per))
     assert mean_pass_at_k(per, 2) == pytest.approx(0.5)
-    by_year = pass_at_1_by_group({"2025-0": [True, True], "2025-1": [False, False], "2026-0": [True, False]},
-                                 {"2025-0": 2025, "2025-1": 2025, "2026-0": 2026})
+    by_year = pass_at_1_by_group(
+        {"2025-0": [True, True], "2025-1": [False, False], "2026-0": [True, False]},
+        {"2025-0": 2025, "2025-1": 2025, "2026-0": 2026},
+    )
     assert by_year == {"2025": pytest.approx(0.5), "2026": pytest.approx(0.5)}
 
 
-PROSE = ("We compute the sum of the first ten odd numbers, which equals one hundred. Then we divide by four to get "
-         "twenty-five, and check the boundary cases separately before writing the final answer. ")
+PROSE = (
+    "We compute the sum of the first ten odd numbers, which equals one hundred. Then we divide by four to get "
+    "twenty-five, and check the boundary cases separately before writing the final answer. "
+)
 
 
 @pytest.mark.parametrize(

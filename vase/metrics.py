@@ -21,9 +21,7 @@ DOMINANT_WINDOW = 200
 THINK_CLOSE = "</think>"
 
 # a 10-40 character phrase followed by itself at least 4 more times, back to back
-_LOOP_RE = re.compile(
-    r"(.{%d,%d})\1{%d,}" % (LOOP_MIN_PHRASE, LOOP_MAX_PHRASE, LOOP_MIN_REPEATS - 1), re.DOTALL
-)
+_LOOP_RE = re.compile(rf"(.{{{LOOP_MIN_PHRASE},{LOOP_MAX_PHRASE}}})\1{{{LOOP_MIN_REPEATS - 1},}}", re.DOTALL)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -55,7 +55,7 @@ def _fail(setting: str, msg: str) -> None:
 
 def validate_numbers(cfg: DictConfig) -> None:
     """Check the top-level numbers before anything is built or loaded."""
-    if cfg.budget is None and not (isinstance(cfg.ratio, (int, float)) and cfg.ratio > 0):
+    if not (isinstance(cfg.ratio, (int, float)) and cfg.ratio > 0):
         _fail("ratio", f"must be > 0 (budget = reference output length / ratio), got {cfg.ratio!r}")
     if not (isinstance(cfg.window, int) and cfg.window >= 1):
         _fail("window", f"must be an integer >= 1, got {cfg.window!r}")
@@ -70,6 +70,19 @@ def validate_numbers(cfg: DictConfig) -> None:
     for k in cfg.pass_k:
         if not (isinstance(k, int) and k >= 1):
             _fail("pass_k", f"entries must be integers >= 1, got {k!r}")
+
+
+def build(node: Any, what: str) -> Any:
+    """``hydra.utils.instantiate`` that surfaces a constructor's ``ValueError`` as itself (one line, no wrapper)."""
+    from hydra.errors import InstantiationException
+
+    try:
+        return instantiate(node)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if isinstance(cause, ValueError):
+            raise ValueError(str(cause)) from None
+        raise ValueError(f"{what}: cannot build it ({err})") from None
 
 
 def resolve_budget(reference_tokens: int, ratio: float, window: int) -> int:
@@ -118,12 +131,12 @@ def prepare(cfg: DictConfig) -> Prepared:
         task_cfg["limit"] = cfg.limit
     if cfg.n_samples is not None:
         task_cfg["n_samples"] = cfg.n_samples
-    task = instantiate(task_cfg)
-    model_spec = instantiate(cfg.model)
+    task = build(task_cfg, "task")
+    model_spec = build(cfg.model, "model")
     if cfg.budget is None:
         budget = resolve_budget(task.reference_tokens(model_spec.key), cfg.ratio, cfg.window)
         OmegaConf.update(cfg, "budget", budget, force_add=True)
-    policy = instantiate(cfg.policy)
+    policy = build(cfg.policy, "policy")
     gen = cfg.generation
     sampling = SamplingConfig(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, greedy=gen.greedy)
     max_length = int(gen.max_length or task.max_length)
@@ -180,7 +193,7 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     logger.info("run dir %s: %d problems, %d samples done, %d problems to decode", run_dir, len(problems),
                 len(done), len(todo))
 
-    run_logger = instantiate(cfg.logger)
+    run_logger = build(cfg.logger, "logger")
     run_id = stable_hash({"dir": str(run_dir.resolve()), "protocol": prep.protocol}, 16)
     run_logger.start(run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True), run_id=run_id)
     try:

@@ -1,0 +1,697 @@
+#!/usr/bin/env python
+"""Decode throughput and memory of every cache policy on a random-weight model (the paper's protocol, method.md §5).
+
+Protocol, per (policy, budget, output length): a random prompt of ``--prompt-len`` tokens (seeded), ``--batch`` rows
+decoded together, greedy, a fixed output length with EOS ignored; ``--warmup`` untimed runs, then ``--repeats`` timed
+runs; decode tokens/s is the mean of the repeats without their min and max (plain mean when fewer than 3 repeats).
+Only the decode is timed (``vase.generate.generate``'s ``decode_seconds``; the prefill is excluded).
+
+Reported per config (CSV ``bench.csv``, plot ``bench.png``/``bench.pdf``, machine info ``machine.json``):
+
+* ``decode_tok_s``: decode tokens / decode seconds (``batch * output_len`` tokens; the first token of each row comes
+  from the prefill, so a run makes ``output_len - 1`` decode forwards); ``step_ms``: decode seconds per forward.
+* ``eviction_share``: eviction seconds (scoring + gather, timed by the engine) / decode seconds, over the repeats.
+* ``kv_cache_bytes`` (what the engine allocated) against ``kv_bytes_static`` computed here from the model config:
+  ``2 * layers * batch * kv_heads * capacity * head_dim * itemsize`` with ``capacity = min(P + N, max(P, B) + W)``
+  for eviction policies and ``P + N`` otherwise; ``kv_bytes_equal`` says whether they match to the byte.
+* ``peak_mem_bytes``: CUDA ``max_memory_allocated`` over the timed repeats (peak stats reset after the warm-up);
+  on CPU the peak resident set size (``VmHWM``) of the timed repeats: the kernel's high-water mark is reset through
+  ``/proc/self/clear_refs`` after the warm-up, and by default every config runs in a fresh subprocess
+  (``--isolate auto``), so memory freed by an earlier config but kept by the allocator never counts. Both include
+  the weights (as the paper's "peak = max allocated memory"); ``peak_delta_bytes`` is the peak minus the memory in
+  use just before the timed repeats (weights, prompt, allocator caches), i.e. what decoding itself added.
+* ``ratio_vs_full`` / ``ratio_vs_streaming``: tokens/s against ``full`` (same output length) and against ``streaming``
+  (same budget and output length: the same static cache with no scoring, the floor for any eviction policy).
+
+Command lines::
+
+    # the CPU run recorded in scripts/BENCHMARKS.md (about 15 minutes on 2 cores)
+    python scripts/bench_throughput.py --model cpu-small --budgets 128 --window 32 --output-lens 512,1024,2048 \\
+        --batch 4 --prompt-len 128 --warmup 1 --repeats 5 --out results/bench/cpu_small
+
+    # a quick look (tiny model, two policies)
+    python scripts/bench_throughput.py --model tiny --policies full,streaming,vase_attnv --output-lens 64 \\
+        --budgets 32 --window 16 --repeats 1 --warmup 0 --out /tmp/bench_tiny
+
+    # the paper's table (Qwen3-14B-shaped random model, batch 16, FA2) on one GPU in ~8 minutes, steady-state protocol
+    python scripts/bench_throughput.py --preset paper14b --out results/bench/paper14b    # see scripts/gpu_bench_14b.sh
+
+``--protocol steady`` (the ``paper14b`` preset uses it) measures instead of full-length runs:
+
+* each eviction policy with ``prompt = budget`` (the cache starts full; it evicts every ``window`` steps from the
+  first one and its capacity is ``budget + window``, the capacity of the full-length run) for ``--steady-steps``
+  decode steps: the steady-state step latency, eviction share, KV bytes and peak memory of a long run;
+* the full cache (and selection policies) with ``prompt = P + N - S`` and ``S = --steady-steps`` decode steps: the
+  capacity, KV bytes and peak memory of the real ``P + N`` run and its last (slowest) steps, plus one probe with the
+  real prompt ``P`` (its first steps);
+
+and estimates the full-length tokens/s (``est_tok_s``) assuming the step latency of a growing cache is linear in its
+length between the probes: full cache = the mean of its first and last step latencies; an eviction policy = the
+growing phase (``P`` to ``budget + window`` held tokens, no eviction, on the full cache's line) plus the remaining
+steps at its steady-state latency. ``--protocol full`` (default) runs every config at full length, as the paper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# Qwen3 shapes (vocab, hidden, layers, heads, head_dim, intermediate) from the models' config.json; random weights.
+COMMON = dict(max_position_embeddings=40960, initializer_range=0.02, rms_norm_eps=1e-6)
+PRESETS: dict[str, dict] = {
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
+    "cpu-small": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False),
+    "qwen3-0.6b-shape": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                             num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-4b-shape": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-14b-shape": dict(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                            num_attention_heads=40, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+
+# The paper's throughput table (method.md §5), shortened to fit ~8 minutes on one H200 (see the module docstring).
+PAPER14B = dict(
+    model="qwen3-14b-shape", dtype="bfloat16", device="cuda", batch=16, prompt_len=256, output_lens="16384,32768",
+    budgets="2048,4096,6144", window=64, policies="streaming,vase_attnv,vase_dkv,rkv,full", warmup=1, repeats=2,
+    protocol="steady", steady_steps=256, warmup_steps=80, time_limit=420.0, attn_backend="auto",
+)
+
+ALL_POLICIES = sorted(p.stem for p in (REPO / "conf" / "policy").glob("*.yaml"))
+
+CSV_COLUMNS = [
+    "model", "dtype", "device", "attn_backend", "protocol", "policy", "kind", "budget", "window", "batch",
+    "prompt_len", "output_len", "run_prompt_len", "run_output_len", "warmup", "repeats", "status",
+    "decode_tok_s", "decode_tok_s_runs", "step_ms", "prefill_s", "eviction_share", "evictions", "held_tokens",
+    "kv_cache_bytes", "kv_bytes_static", "kv_bytes_equal", "aux_bytes", "capacity",
+    "peak_mem_bytes", "peak_delta_bytes", "peak_mem_source", "est_tok_s", "ratio_vs_full", "ratio_vs_streaming",
+    "load_1m", "wall_s",
+]
+
+
+# ---- small helpers (stdlib + torch only: bench_kvpress.py imports them inside the kvpress environment) -----------
+def trimmed_mean(xs: list[float]) -> float:
+    """Mean without the min and the max (the paper's protocol); the plain mean for fewer than 3 values."""
+    xs = sorted(xs)
+    if len(xs) >= 3:
+        xs = xs[1:-1]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def model_config_kwargs(name: str, max_tokens: int = 0) -> dict:
+    """The config fields of preset ``name`` (``max_position_embeddings`` raised to ``max_tokens`` if needed)."""
+    if name not in PRESETS:
+        raise ValueError(f"--model: unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    kw = {**COMMON, **PRESETS[name]}
+    kw["max_position_embeddings"] = max(kw["max_position_embeddings"], max_tokens)
+    return kw
+
+
+def random_prompt(length: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    """The benchmark's random prompt: ``length`` token ids, identical for a seed across environments."""
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def build_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0, max_tokens: int = 0):
+    """A random-weight Qwen3 model of preset ``name``, built directly in ``dtype`` on ``device``.
+
+    Same config as ``vase.models.tiny_model("qwen3", **shape)`` (``vase.models.tiny_config``); built under a device
+    context instead of on the host then moved, so that a 14B-shaped model never needs a float32 copy in host memory.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from vase.models import check_architecture, tiny_config
+
+    config = tiny_config("qwen3", **model_config_kwargs(name, max_tokens))
+    check_architecture(config)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.eval()
+
+
+def static_kv_bytes(cfg, batch: int, capacity: int, dtype: torch.dtype) -> int:
+    """``2 * layers * batch * kv_heads * capacity * head_dim * itemsize`` from a model config."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * batch * cfg.num_key_value_heads * capacity * head_dim * itemsize
+
+
+def static_capacity(kind: str, prompt_len: int, output_len: int, budget: int, window: int) -> int:
+    """Token slots per (layer, row, KV head): computed here, independently of the engine (method.md §2)."""
+    full = prompt_len + output_len
+    if kind != "eviction":
+        return full
+    return min(full, max(prompt_len, budget) + window)
+
+
+def proc_status_bytes(field: str) -> int | None:
+    """``VmRSS`` / ``VmHWM`` of this process in bytes (Linux), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (``VmHWM``) of this process; False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """Peak memory over a block: CUDA max allocated, or the process's peak RSS on CPU (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = self.baseline = None
+        self.source = ""
+
+    def __enter__(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = torch.cuda.memory_allocated(self.device)
+            self.source = "cuda_max_memory_allocated"
+        else:
+            self.baseline = proc_status_bytes("VmRSS")
+            self.source = "VmHWM(reset)" if reset_peak_rss() else "ru_maxrss(process lifetime)"
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        elif self.source.startswith("VmHWM"):
+            self.peak = proc_status_bytes("VmHWM")
+        else:
+            self.peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return False
+
+
+def load_1m() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def machine_info(device: str) -> dict:
+    """What the numbers were measured on."""
+    info = {
+        "time": _dt.datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "argv": sys.argv,
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu_model"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    mem = proc_meminfo_total()
+    if mem:
+        info["mem_total_bytes"] = mem
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and str(device).startswith("cuda"):
+        info["cuda_device"] = torch.cuda.get_device_name()
+        info["cuda_version"] = torch.version.cuda
+        try:
+            import flash_attn
+
+            info["flash_attn"] = flash_attn.__version__
+        except ImportError:
+            info["flash_attn"] = None
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                            timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "vase", "baselines"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        info["engine_files_modified"] = dirty.splitlines() if dirty else []
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def proc_meminfo_total() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+# ---- one config ----------------------------------------------------------------------------------------------
+def make_policy(name: str, budget: int, window: int):
+    """Instantiate ``conf/policy/<name>.yaml`` with ``budget`` and ``window`` set."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    path = REPO / "conf" / "policy" / f"{name}.yaml"
+    if not path.exists():
+        raise ValueError(f"--policies: no policy config {path.name}; choose from {', '.join(ALL_POLICIES)}")
+    cfg = OmegaConf.load(path)
+    cfg.budget = budget
+    cfg.window = window
+    return instantiate(cfg)
+
+
+def plan_run(kind: str, spec: dict) -> tuple[int, int]:
+    """``(prompt length, output length)`` actually decoded for a config under ``spec["protocol"]``."""
+    p, n = spec["prompt_len"], spec["output_len"]
+    if spec.get("protocol", "full") != "steady":
+        return p, n
+    s = spec["steady_steps"]
+    if spec.get("probe") == "start":
+        return p, s
+    if kind == "eviction":
+        return max(p, spec["budget"]), s
+    return p + n - s, s
+
+
+def run_config(spec: dict, model=None) -> dict:
+    """Benchmark one (policy, budget, output length) config; returns one CSV row (dict).
+
+    ``spec`` keys: model, dtype, device, attn_backend, policy, budget, window, batch, prompt_len, output_len, warmup,
+    repeats, seed, protocol (full | steady), steady_steps, warmup_steps, probe (None | "start").
+    """
+    from vase.generate import SamplingConfig, generate
+    from vase.models import resolve_dtype
+
+    t_start = time.perf_counter()
+    device = torch.device(spec["device"])
+    dtype = resolve_dtype(spec["dtype"])
+    policy = make_policy(spec["policy"], spec["budget"], spec["window"])
+    run_p, run_n = plan_run(policy.kind, spec)
+    if model is None:
+        model = build_model(spec["model"], dtype, device, seed=spec.get("seed", 0), max_tokens=run_p + run_n + 1)
+    cfg = model.config
+    prompt = random_prompt(run_p, cfg.vocab_size, seed=spec.get("seed", 0))
+    row = {k: spec.get(k) for k in ("model", "dtype", "device", "protocol", "policy", "budget", "window", "batch",
+                                    "prompt_len", "output_len", "warmup", "repeats")}
+    if spec.get("probe"):
+        row["policy"] = f"{spec['policy']}@{spec['probe']}"
+    capacity = static_capacity(policy.kind, run_p, run_n, spec["budget"], spec["window"])
+    row.update(kind=policy.kind, run_prompt_len=run_p, run_output_len=run_n, capacity=capacity,
+               kv_bytes_static=static_kv_bytes(cfg, spec["batch"], capacity, dtype), load_1m=round(load_1m(), 2))
+
+    def once(n_new: int):
+        return generate(model, prompt, policy, n_samples=spec["batch"], sampling=SamplingConfig(temperature=0),
+                        max_new_tokens=n_new, ignore_eos=True, attn_backend=spec.get("attn_backend", "auto"),
+                        seed=spec.get("seed", 0))
+
+    try:
+        for _ in range(spec["warmup"]):
+            once(min(run_n, spec.get("warmup_steps") or run_n))
+        outs = []
+        with PeakMemory(device) as mem:
+            for _ in range(spec["repeats"]):
+                outs.append(once(run_n))
+    except torch.cuda.OutOfMemoryError:
+        row.update(status="OOM", wall_s=round(time.perf_counter() - t_start, 1))
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        return row
+    st = [o.stats for o in outs]
+    tok_s = [s["decode_tokens"] / s["decode_seconds"] for s in st]
+    steps = max(run_n - 1, 1)
+    dec = sum(s["decode_seconds"] for s in st)
+    row.update(
+        status="ok",
+        attn_backend=st[0]["attn_backend"],
+        decode_tok_s=trimmed_mean(tok_s),
+        decode_tok_s_runs=";".join(f"{x:.2f}" for x in tok_s),
+        step_ms=trimmed_mean([1e3 * s["decode_seconds"] / steps for s in st]),
+        prefill_s=trimmed_mean([s["prefill_seconds"] for s in st]),
+        eviction_share=sum(s["eviction_seconds"] for s in st) / dec if dec > 0 else float("nan"),
+        evictions=st[0]["evictions"],
+        held_tokens=round(st[0]["held_tokens"], 1),
+        kv_cache_bytes=st[0]["kv_cache_bytes"],
+        aux_bytes=st[0]["aux_bytes"],
+        peak_mem_bytes=mem.peak,
+        peak_delta_bytes=(mem.peak - mem.baseline) if mem.peak is not None and mem.baseline is not None else None,
+        peak_mem_source=mem.source,
+        wall_s=round(time.perf_counter() - t_start, 1),
+    )
+    row["kv_bytes_equal"] = row["kv_cache_bytes"] == row["kv_bytes_static"]
+    if st[0]["capacity"] != capacity:
+        row["kv_bytes_equal"] = False
+    row["load_1m"] = round(max(row["load_1m"], load_1m()), 2)
+    return row
+
+
+WORKER_TAG = "BENCH_ROW_JSON:"
+
+
+def run_isolated(spec: dict, timeout: float | None = None) -> dict:
+    """Run one config in a fresh Python process (fresh allocator, own peak-RSS mark)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**spec, "status": "timeout"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(WORKER_TAG):
+            return json.loads(line[len(WORKER_TAG):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    return {**spec, "status": f"error: {tail[0][:200]}"}
+
+
+# ---- the sweep -----------------------------------------------------------------------------------------------
+def sweep_specs(args) -> list[dict]:
+    """Every config of the sweep, in run order (the full cache once per output length: it ignores the budget)."""
+    base = dict(model=args.model, dtype=args.dtype, device=args.device, attn_backend=args.attn_backend,
+                window=args.window, batch=args.batch, prompt_len=args.prompt_len, warmup=args.warmup,
+                repeats=args.repeats, seed=args.seed, protocol=args.protocol, steady_steps=args.steady_steps,
+                warmup_steps=args.warmup_steps)
+    kinds = {name: make_policy(name, max(args.budgets), args.window).kind for name in args.policies}
+    specs = []
+    for budget in args.budgets:
+        for name in args.policies:
+            if kinds[name] == "none" and budget != args.budgets[0]:
+                continue
+            if args.protocol == "steady" and kinds[name] == "eviction":
+                # steady state does not depend on the output length: one run per budget, reused for every length
+                specs.append(dict(base, policy=name, budget=budget, output_len=max(args.output_lens)))
+                continue
+            for n in args.output_lens:
+                specs.append(dict(base, policy=name, budget=budget if kinds[name] != "none" else 0, output_len=n))
+    if args.protocol == "steady":  # the growing cache's first steps (the real prompt): one probe
+        specs.append(dict(base, policy="full", budget=0, output_len=max(args.output_lens), probe="start"))
+    return specs
+
+
+def add_ratios(rows: list[dict], output_lens: list[int]) -> None:
+    """``ratio_vs_full`` (same output length) and ``ratio_vs_streaming`` (same budget and output length)."""
+    def tput(r):
+        v = r.get("est_tok_s") if r.get("protocol") == "steady" else r.get("decode_tok_s")
+        return v if r.get("status") == "ok" and v else None
+
+    full = {r["output_len"]: tput(r) for r in rows if r["policy"] == "full"}
+    stream = {(r["budget"], r["output_len"]): tput(r) for r in rows if r["policy"] == "streaming"}
+    for r in rows:
+        v = tput(r)
+        f, s = full.get(r["output_len"]), stream.get((r["budget"], r["output_len"]))
+        r["ratio_vs_full"] = v / f if v and f else None
+        r["ratio_vs_streaming"] = v / s if v and s else None
+
+
+def add_estimates(rows: list[dict], output_lens: list[int]) -> list[dict]:
+    """Steady protocol: expand eviction rows to every output length and estimate full-length tokens/s (docstring)."""
+    start = next((r for r in rows if r["policy"] == "full@start" and r.get("status") == "ok"), None)
+    ends = {(r["policy"], r["output_len"]): r for r in rows if r.get("kind") != "eviction" and r.get("status") == "ok"}
+    out = []
+    for r in rows:
+        if r["policy"] == "full@start":
+            out.append(r)
+            continue
+        for n in (output_lens if r.get("kind") == "eviction" else [r["output_len"]]):
+            e = dict(r, output_len=n)
+            e["est_tok_s"] = _estimate(e, start, ends) if r.get("status") == "ok" else None
+            out.append(e)
+    return out
+
+
+def _line(start: dict | None, end: dict | None):
+    """Step latency (s) of a growing cache as a function of held tokens: linear through two probes."""
+    if start is None or end is None:
+        return None
+    l0 = start["run_prompt_len"] + start["run_output_len"] / 2
+    l1 = end["run_prompt_len"] + end["run_output_len"] / 2
+    t0, t1 = start["step_ms"] / 1e3, end["step_ms"] / 1e3
+    slope = (t1 - t0) / (l1 - l0) if l1 != l0 else 0.0
+    return lambda length: t0 + slope * (length - l0)
+
+
+def _estimate(r: dict, start: dict | None, ends: dict) -> float | None:
+    """Estimated decode tokens/s of an ``n``-token output from prompt ``P`` (see the module docstring).
+
+    Non-eviction policies: linear between the full cache's first steps (``start``) and the policy's own last steps.
+    Eviction policies: the growing phase on the full cache's line, then the measured steady-state step latency.
+    """
+    p, batch, n = r["prompt_len"], r["batch"], r["output_len"]
+    if r["kind"] != "eviction":
+        line = _line(start, ends.get((r["policy"], n)))
+        if line is None:
+            return None
+        return batch * n / ((n - 1) * (line(p) + line(p + n - 1)) / 2)
+    full_end = ends.get(("full", n)) or next((ends[k] for k in sorted(ends, reverse=True) if k[0] == "full"), None)
+    line = _line(start, full_end)
+    if line is None:
+        return None
+    grow = max(0, min(n - 1, max(p, r["budget"]) + r["window"] - p))  # steps before the first eviction
+    t_grow = grow * (line(p) + line(p + grow)) / 2
+    t_ss = r["step_ms"] / 1e3
+    return batch * n / (t_grow + (n - 1 - grow) * t_ss)
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: _fmt(r.get(k)) for k in CSV_COLUMNS})
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return "" if v is None else v
+
+
+def plot(rows: list[dict], path_stem: Path) -> list[Path]:
+    """Tokens/s against output length (one panel per budget) and peak memory at the longest output."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    budgets = sorted({r["budget"] for r in ok if r["kind"] != "none"}) or [0]
+    key = "est_tok_s" if any(r.get("protocol") == "steady" for r in ok) else "decode_tok_s"
+    fig, axes = plt.subplots(len(budgets), 2, figsize=(13, 4.2 * len(budgets)), squeeze=False)
+    for i, b in enumerate(budgets):
+        ax, axm = axes[i]
+        sel = [r for r in ok if (r["budget"] == b or r["kind"] == "none") and "@" not in r["policy"]]
+        for name in sorted({r["policy"] for r in sel}):
+            pts = sorted((r["output_len"], r.get(key)) for r in sel if r["policy"] == name and r.get(key))
+            if pts:
+                style = "--" if name in ("full", "streaming") else "-"
+                ax.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("output tokens")
+        ax.set_ylabel("decode tokens/s" + (" (estimated)" if key == "est_tok_s" else ""))
+        ax.set_title(f"budget {b}" if b else "")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        longest = max((r["output_len"] for r in sel), default=0)
+        last = sorted([r for r in sel if r["output_len"] == longest and r.get("peak_mem_bytes")],
+                      key=lambda r: r["policy"])
+        axm.barh([r["policy"] for r in last], [r["peak_mem_bytes"] / 2**20 for r in last], color="tab:gray")
+        axm.barh([r["policy"] for r in last], [r["kv_cache_bytes"] / 2**20 for r in last], color="tab:blue",
+                 label="allocated KV")
+        axm.set_xlabel("MiB (gray: peak memory, blue: allocated KV)")
+        axm.set_title(f"memory at {longest} output tokens")
+        axm.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    paths = [path_stem.with_suffix(".png"), path_stem.with_suffix(".pdf")]
+    for p in paths:
+        fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def print_table(rows: list[dict]) -> str:
+    """The human-readable table: tokens/s, ratios, eviction share, KV bytes check, peak memory."""
+    key = "est_tok_s" if any(r.get("protocol") == "steady" for r in rows) else "decode_tok_s"
+    hdr = (f"{'policy':<18}{'budget':>7}{'output':>7}{'tok/s':>10}{'step ms':>9}{'x full':>8}{'x strm':>8}"
+           f"{'evict%':>8}{'KV MiB':>9}{'KV=static':>10}{'peak MiB':>10}{'dpeak MiB':>10}  status")
+    lines = [hdr, "-" * len(hdr)]
+    for r in sorted(rows, key=lambda r: (r["budget"] if r.get("kind") != "none" else -1, r["output_len"],
+                                         r["policy"])):
+        def f(v, spec):
+            return format(v, spec) if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)) \
+                else "-"
+
+        mib = lambda v: v / 2**20 if isinstance(v, (int, float)) else None
+        share = r.get("eviction_share")
+        lines.append(
+            f"{r['policy']:<18}{r['budget']:>7}{r['output_len']:>7}{f(r.get(key), '10.1f')}{f(r.get('step_ms'), '9.2f')}"
+            f"{f(r.get('ratio_vs_full'), '8.2f')}{f(r.get('ratio_vs_streaming'), '8.3f')}"
+            f"{f(100 * share if isinstance(share, float) else None, '8.1f')}{f(mib(r.get('kv_cache_bytes')), '9.2f')}"
+            f"{str(r.get('kv_bytes_equal', '-')):>10}{f(mib(r.get('peak_mem_bytes')), '10.1f')}"
+            f"{f(mib(r.get('peak_delta_bytes')), '10.1f')}  {r.get('status')}"
+        )
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--preset", choices=["paper14b"], help="a predefined sweep (overrides the other settings)")
+    ap.add_argument("--model", default="cpu-small", choices=list(PRESETS), help="random-weight model shape")
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
+    ap.add_argument("--device", default="auto", help="auto (cuda when available) | cpu | cuda[:i]")
+    ap.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma list of conf/policy names")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-lens", default="512,1024,2048", help="comma list of output lengths (EOS ignored)")
+    ap.add_argument("--budgets", default="128", help="comma list of budgets (tokens per layer/row/KV head)")
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--attn-backend", default="auto", help="auto | sdpa | eager | flash_attn")
+    ap.add_argument("--protocol", default="full", choices=["full", "steady"], help="see the module docstring")
+    ap.add_argument("--steady-steps", type=int, default=256, help="decode steps per run with --protocol steady")
+    ap.add_argument("--warmup-steps", type=int, default=0, help="decode steps of a warm-up run (0: a full run)")
+    ap.add_argument("--isolate", default="auto", choices=["auto", "subprocess", "none"],
+                    help="run each config in a fresh process (auto: on CPU, where peak RSS needs it)")
+    ap.add_argument("--time-limit", type=float, default=0.0, help="skip the configs left after this many seconds")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--out", default=None, help="output directory (default results/bench/<model>_<time>)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.preset == "paper14b":
+        for k, v in PAPER14B.items():
+            setattr(args, k, v)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.policies = [p.strip() for p in str(args.policies).split(",") if p.strip()]
+    args.output_lens = [int(x) for x in str(args.output_lens).split(",")]
+    args.budgets = [int(x) for x in str(args.budgets).split(",")]
+    if args.protocol == "steady" and any(n < args.steady_steps for n in args.output_lens):
+        ap.error("--protocol steady: every output length must be >= --steady-steps")
+    return args
+
+
+def run_benchmark(args) -> list[dict]:
+    """Run the sweep of ``args`` (see :func:`parse_args`); write CSV, plot and machine info; return the rows."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out or REPO / "results" / "bench" / f"{args.model}_{_dt.datetime.now():%Y%m%d_%H%M%S}")
+    out.mkdir(parents=True, exist_ok=True)
+    isolate = args.isolate == "subprocess" or (args.isolate == "auto" and args.device == "cpu")
+    info = machine_info(args.device)
+    info.update(isolate=isolate, settings={k: v for k, v in vars(args).items() if k != "worker"})
+    specs = sweep_specs(args)
+    print(f"# {len(specs)} configs, model {args.model} {args.dtype} on {args.device}"
+          f"{' (each in a fresh process)' if isolate else ''}; load {info.get('loadavg')}", flush=True)
+    model = None
+    if not isolate:
+        from vase.models import resolve_dtype
+
+        longest = max(args.prompt_len, max(args.budgets)) + max(args.output_lens) + 1
+        model = build_model(args.model, resolve_dtype(args.dtype), torch.device(args.device), args.seed, longest)
+    rows = []
+    t0 = time.perf_counter()
+    last_cost = 0.0
+    for spec in specs:
+        elapsed = time.perf_counter() - t0
+        if args.time_limit and elapsed + last_cost > args.time_limit:
+            rows.append(_skipped(spec, "skipped (time limit)"))
+            continue
+        if args.threads:
+            spec["threads"] = args.threads
+        tc = time.perf_counter()
+        try:
+            row = run_isolated(spec) if isolate else run_config(spec, model)
+        except Exception as err:  # noqa: BLE001 - a failed config is recorded, the sweep goes on
+            row = _skipped(spec, f"error: {type(err).__name__}: {err}"[:200])
+        last_cost = time.perf_counter() - tc
+        rows.append(row)
+        v = row.get("decode_tok_s")
+        print(f"  {row['policy']:<18} B={spec['budget']:<6} N={spec['output_len']:<6} "
+              f"{(f'{v:9.1f} tok/s' if v else row.get('status'))}  evict {row.get('eviction_share') or 0:.1%}  "
+              f"KV ok={row.get('kv_bytes_equal')}  ({last_cost:.0f}s, load {load_1m():.1f})", flush=True)
+    if args.protocol == "steady":
+        rows = add_estimates(rows, args.output_lens)
+    add_ratios(rows, args.output_lens)
+    write_csv(rows, out / "bench.csv")
+    info["loadavg_end"] = list(os.getloadavg())
+    info["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    (out / "machine.json").write_text(json.dumps(info, indent=2, default=str))
+    (out / "rows.json").write_text(json.dumps(rows, indent=2, default=str))
+    table = print_table(rows)
+    (out / "table.txt").write_text(table + "\n")
+    try:
+        plot(rows, out / "bench")
+    except Exception as err:  # noqa: BLE001 - the plot is a convenience; the CSV is the result
+        print(f"plot failed: {err}", file=sys.stderr)
+    print(f"# wrote {out}/bench.csv, bench.png, bench.pdf, machine.json, table.txt", flush=True)
+    return rows
+
+
+def _skipped(spec: dict, status: str) -> dict:
+    row = {k: spec.get(k) for k in ("model", "dtype", "device", "protocol", "policy", "budget", "window", "batch",
+                                    "prompt_len", "output_len", "warmup", "repeats")}
+    if spec.get("probe"):
+        row["policy"] = f"{spec['policy']}@{spec['probe']}"
+    row.update(kind="?", status=status)
+    try:
+        row["kind"] = make_policy(spec["policy"], spec["budget"] or 2 * spec["window"], spec["window"]).kind
+    except Exception:  # noqa: BLE001
+        pass
+    return row
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        spec = json.loads(args.worker)
+        if spec.get("threads"):
+            torch.set_num_threads(spec["threads"])
+        with contextlib.redirect_stdout(sys.stderr):
+            row = run_config(spec)
+        print(WORKER_TAG + json.dumps(row, default=str), flush=True)
+        return 0
+    rows = run_benchmark(args)
+    return 0 if all(r.get("status") == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

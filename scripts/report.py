@@ -1,0 +1,94 @@
+"""Every paper table and figure from a results tree, with one command; optionally mirrored to a W&B summary run.
+
+    python scripts/report.py results/                                  # -> results/report/
+    python scripts/report.py results/ --out paper/ --wandb offline --group main_table
+    python scripts/report.py results/ --wandb disabled --formats png
+
+Reads every run under RESULTS_DIR (any mix of runs and sweeps; found by their metrics.json / samples.jsonl, read from
+their saved config and metrics, never from directory names; half-finished runs are recomputed from samples.jsonl and
+marked †) and writes:
+
+  tables/   accuracy_<model>_<op>  policy x task pass@1 ± SE, full cache first, the five-task average
+            failures_<model>_<op>  loop / garbage / truncated / ok rates, answered rate, mean output length
+            efficiency_<model>_<op>  KV-cache bytes, peak memory, decode tokens/s, compression, evictions
+            summary                every (model, task, policy, operating point) with every metric
+            diversity              kept-set Jaccard across heads / layers / samples (runs with record_kept=true)
+            each as .csv, .md and .tex
+  figures/  accuracy_vs_budget_*, failure_modes_*, output_lengths_*, throughput_memory_*, ablation_* (protection x
+            temperature), gsm8k_pilot_* / accuracy_bars_*, cache_diversity; each as .png and .pdf
+  report.md every table and figure, and the figures the data cannot support with the reason
+
+--wandb offline (default) writes a W&B summary run (job_type=summary) into <out>/wandb, grouped with the sweep
+(--group, default: the runs' logger.group or the results directory's name); upload later with
+`wandb sync <out>/wandb/offline-run-*`. See docs/analysis.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("results_dir", help="a results tree (runs and sweeps, any depth)")
+    p.add_argument("--out", default=None, help="output directory (default: RESULTS_DIR/report)")
+    p.add_argument(
+        "--wandb",
+        default="offline",
+        choices=("offline", "online", "disabled"),
+        help="W&B summary run mode (default: %(default)s; WANDB_MODE overrides)",
+    )
+    p.add_argument("--group", default=None, help="W&B group (default: the runs' logger.group, else the dir name)")
+    p.add_argument("--project", default="vase", help="W&B project (default: %(default)s)")
+    p.add_argument("--entity", default=None, help="W&B entity")
+    p.add_argument("--formats", default="png,pdf", help="figure formats (default: %(default)s)")
+    p.add_argument("-q", "--quiet", action="store_true", help="warnings only")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="[%(asctime)s %(levelname)s %(name)s] %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    import os
+
+    from vase.analysis import build_report
+
+    mode = os.environ.get("WANDB_MODE", args.wandb) if args.wandb != "disabled" else "disabled"
+    if mode not in ("offline", "online", "disabled"):
+        mode = "offline" if mode == "dryrun" else mode
+    try:
+        report = build_report(
+            args.results_dir,
+            args.out,
+            formats=[f for f in args.formats.split(",") if f],
+            wandb_mode=mode,
+            group=args.group,
+            project=args.project,
+            entity=args.entity,
+        )
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    n_runs = len(report.summary)
+    print(f"{n_runs} run groups -> {report.out_dir}")
+    print(f"  tables:  {len(report.tables)} ({len(report.table_paths)} files) in {report.out_dir / 'tables'}")
+    print(f"  figures: {len(report.figure_paths)} files in {report.out_dir / 'figures'}")
+    for name, why in report.skipped:
+        print(f"  skipped {name}: {why}")
+    if report.wandb_run_id:
+        print(f"  W&B summary run {report.wandb_run_id} ({mode}) in {report.out_dir / 'wandb'}")
+    print(f"  index:   {report.out_dir / 'report.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""The runner: config composition, validation, results on disk, resume after SIGKILL, multirun, W&B offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from vase.results import check_protocol, read_jsonl_tolerant
+from vase.runner import held_at_end, prepare, resolve_budget
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
+       "TOKENIZERS_PARALLELISM": "false"}
+# A tiny random model on gsm_symbolic: one problem, two samples, a short output cap, eviction every 16 steps.
+TINY = ["model=tiny", "logger=none", "limit=1", "n_samples=2", "budget=32", "window=16",
+        "generation.max_length=200", "progress=false"]
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", ["model", "task", "policy", "generation", "logger", "sweep"])
+def test_every_config_composes_and_instantiates(group):
+    for option in _options(group):
+        overrides = [f"{group}={option}"] if group != "sweep" else [f"sweep={option}"]
+        if group != "model":
+            overrides.append("model=tiny")
+        cfg = _compose(overrides + ["budget=128", "window=16"])
+        spec = instantiate(cfg.model)  # a description: no weights are loaded
+        assert spec.key and spec.name
+        task = instantiate(OmegaConf.to_container(cfg.task, resolve=True))
+        assert task.n_samples >= 1
+        policy = instantiate(cfg.policy)
+        assert policy.name
+        instantiate(cfg.logger)
+        prepare(cfg)
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "local"])
+def test_launcher_configs_compose(launcher):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+    assert "submitit" in cfg.hydra.launcher._target_
+
+
+def test_sweep_files_are_headed_by_their_launch_command():
+    for path in (CONF / "sweep").glob("*.yaml"):
+        text = path.read_text()
+        assert "python run.py -m" in text.split("hydra:")[0], path.name
+
+
+def test_budget_from_ratio_and_reference():
+    assert resolve_budget(16384, 4, 64) == 4096
+    assert resolve_budget(15325, 4, 64) == 3840
+    cfg = _compose(["model=qwen3_4b", "task=aime25", "ratio=4"])
+    prep = prepare(cfg)
+    assert prep.cfg.budget == 4096 and prep.policy.budget == 4096 and prep.policy.window == 64
+    assert prep.n_samples == 16 and prep.max_length == 32768 and prep.thinking
+    assert prep.sampling.temperature == 0.6 and prep.sampling.top_p == 0.95 and prep.sampling.top_k == 20
+    cfg = _compose(["model=qwen3_4b", "task=aime25", "budget=2048"])
+    assert prepare(cfg).policy.budget == 2048
+
+
+@pytest.mark.parametrize("override, setting", [
+    ("ratio=0", "ratio"), ("ratio=-2", "ratio"), ("budget=16", "budget"), ("n_samples=0", "n_samples"),
+    ("limit=-1", "limit"), ("window=0", "window"), ("budget=100", "policy.budget"),
+])
+def test_invalid_numbers_fail_before_anything_loads(override, setting):
+    cfg = _compose(["model=tiny", "window=16", override])
+    with pytest.raises(ValueError, match=setting):
+        prepare(cfg)
+
+
+def test_cli_errors_are_one_line_and_list_valid_names(tmp_path):
+    r = subprocess.run([sys.executable, "run.py", "policy=vase_dkvv"], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2
+    lines = [x for x in r.stderr.strip().splitlines() if x]
+    assert len(lines) == 1 and "did you mean vase_dkv" in lines[0] and "snapkv" in lines[0]
+    r = subprocess.run([sys.executable, "run.py", *TINY, "ratio=0", f"results_dir={tmp_path}"], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2
+    errors = [x for x in r.stderr.splitlines() if "error" in x.lower()]
+    assert len(errors) == 1 and "ratio: must be > 0" in errors[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_torn_last_line_is_tolerated_and_repaired(tmp_path):
+    path = tmp_path / "samples.jsonl"
+    path.write_text('{"a": 1}\n{"a": 2}\n{"a": 3, "b": "tor')
+    assert read_jsonl_tolerant(path) == [{"a": 1}, {"a": 2}]
+    read_jsonl_tolerant(path, repair=True)
+    assert path.read_text() == '{"a": 1}\n{"a": 2}\n'
+    path.write_text('{"a": 1}\n{"bad\n{"a": 3}\n')
+    with pytest.raises(ValueError, match="corrupt line 2"):
+        read_jsonl_tolerant(path)
+
+
+def test_changed_protocol_is_refused(tmp_path):
+    check_protocol(tmp_path, {"generation": {"temperature": 0.6}, "seed": 0})
+    check_protocol(tmp_path, {"generation": {"temperature": 0.6}, "seed": 0})
+    with pytest.raises(ValueError, match=r"generation.temperature: 0.6 -> 0.7"):
+        check_protocol(tmp_path, {"generation": {"temperature": 0.7}, "seed": 0})
+
+
+def test_held_at_end_follows_the_eviction_schedule():
+    assert held_at_end(100, 20, 256, 16, True) == 100
+    assert held_at_end(100, 20, 32, 16, False) == 100
+    # prompt 20, budget 32, window 16: evictions when held reaches 48 -> 32; 99 appended tokens
+    held = 20
+    for _ in range(79):
+        held += 1
+        if held > 32 and held % 16 == 0:
+            held = 32
+    assert held_at_end(100, 20, 32, 16, True) == held + 1
+
+
+def _run_dirs(root: Path) -> list[Path]:
+    return sorted(p.parent for p in root.rglob("protocol.json"))
+
+
+def test_run_writes_a_complete_result_directory(tmp_path):
+    r = subprocess.run([sys.executable, "run.py", *TINY, f"results_dir={tmp_path}"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (run_dir,) = _run_dirs(tmp_path)
+    for name in ("config.yaml", "protocol.json", "manifest.json", "samples.jsonl", "batches.jsonl", "metrics.json"):
+        assert (run_dir / name).exists(), name
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    for key in ("accuracy", "pass@1", "pass@2", "answered_rate", "loop_rate", "garbage_rate", "truncation_rate",
+                "mean_output_tokens", "kv_cache_bytes", "kv_cache_bytes_full", "peak_memory_bytes", "prefill_seconds",
+                "decode_tokens_per_second", "evictions", "eviction_seconds", "budget", "compression_ratio"):
+        assert key in metrics, key
+    assert metrics["complete"] and metrics["samples"] == 2 and metrics["budget"] == 32
+    assert metrics["kv_cache_bytes"] < metrics["kv_cache_bytes_full"]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["sampling"]["temperature"] == 1.0 and manifest["prompt_template"]
+    rows = read_jsonl_tolerant(run_dir / "samples.jsonl")
+    assert {r["sample"] for r in rows} == {0, 1}
+    assert all(r["budget"] == 32 and r["compression_ratio"] >= 1 for r in rows)
+    assert "accuracy" in r.stdout  # the summary table
+    # rerunning the same command resumes: nothing is decoded again
+    r2 = subprocess.run([sys.executable, "run.py", *TINY, f"results_dir={tmp_path}"], cwd=ROOT, env=ENV,
+                        capture_output=True, text=True, timeout=600)
+    assert r2.returncode == 0 and "0 problems to decode" in r2.stderr
+    assert read_jsonl_tolerant(run_dir / "samples.jsonl") == rows
+
+
+def test_sigkill_midway_then_relaunch_gives_every_sample_once(tmp_path):
+    args = [sys.executable, "run.py", *TINY, "limit=3", f"results_dir={tmp_path}"]
+    proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 600
+    samples = None
+    while time.time() < deadline:
+        found = list(tmp_path.rglob("samples.jsonl"))
+        if found and found[0].read_text().count("\n") >= 2:
+            samples = found[0]
+            break
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert samples is not None, "the run never wrote a sample"
+    done_before = len(read_jsonl_tolerant(samples))
+    assert done_before < 6
+    r = subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = read_jsonl_tolerant(samples)
+    keys = [(x["problem_id"], x["sample"]) for x in rows]
+    assert len(keys) == len(set(keys)) == 6
+    metrics = json.loads((samples.parent / "metrics.json").read_text())
+    assert metrics["complete"] and metrics["samples"] == 6
+
+
+def test_multirun_of_two_policies_writes_two_result_directories(tmp_path):
+    r = subprocess.run([sys.executable, "run.py", "-m", "sweep=smoke", f"results_dir={tmp_path}", "progress=false"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    dirs = _run_dirs(tmp_path)
+    assert len(dirs) == 2
+    policies = sorted(json.loads((d / "metrics.json").read_text())["policy"] for d in dirs)
+    assert policies == ["streaming", "vase_attnv"]
+    assert all(json.loads((d / "metrics.json").read_text())["complete"] for d in dirs)
+
+
+@pytest.mark.slow
+def test_submitit_local_launcher_runs_a_two_job_sweep(tmp_path):
+    r = subprocess.run([sys.executable, "run.py", "-m", "sweep=smoke", "hydra/launcher=local",
+                        f"results_dir={tmp_path}", "progress=false"], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=1200)
+    assert r.returncode == 0, r.stderr[-3000:]
+    dirs = _run_dirs(tmp_path)
+    assert len(dirs) == 2 and all((d / "metrics.json").exists() for d in dirs)
+
+
+def test_wandb_offline_run_is_accepted_by_wandb_sync(tmp_path):
+    env = {**ENV, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
+    args = [sys.executable, "run.py", *[a for a in TINY if a != "logger=none"], "logger=wandb",
+            f"results_dir={tmp_path}"]
+    r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (run_dir,) = _run_dirs(tmp_path)
+    offline = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and list(offline[0].glob("*.wandb"))
+    sync = subprocess.run(["wandb", "sync", "--dry-run", str(offline[0])], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert sync.returncode == 0, sync.stdout + sync.stderr

@@ -1,0 +1,509 @@
+"""Value-magnitude analysis: how large the value states get, where the large ones sit, and how they quantize.
+
+From a full-cache decoding (:class:`vase.policy.FullCache`, so the cache holds every token's value state), per selected
+layer, KV head and token:
+
+* the value statistics of :func:`vase.scores.value_statistic` (``range = max - min`` over the head dimension, the one
+  VaSE protects; ``l2``; ``absmax``);
+* the quantization error of the token's value vector under per-group asymmetric min-max quantization (KIVI-style:
+  groups of ``g`` consecutive channels, ``b`` bits, scale ``(max - min) / (2^b - 1)``, zero point ``min``), as the
+  relative L2 error ``‖v - Q(v)‖ / ‖v‖`` (and the absolute one).
+
+Analyses: per-layer distributions and the share of tokens above ``k ×`` the median range of their (layer, head); where
+the large-value tokens sit (sink tokens, position buckets, prompt vs output, which text tokens); the per-layer
+Spearman correlation between a token's value range and its quantization error.
+
+Run it with ``scripts/value_analysis.py`` (see ``docs/analysis.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from vase.analysis import new_figure, save_figure
+from vase.scores import value_statistic
+
+logger = logging.getLogger(__name__)
+
+STATS = ("range", "l2", "absmax")
+SINKS = 4
+POSITION_BUCKETS = (
+    (0, 4, "sink 0-3"),
+    (4, 16, "4-15"),
+    (16, 64, "16-63"),
+    (64, 256, "64-255"),
+    (256, 1024, "256-1023"),
+    (1024, None, "1024+"),
+)
+
+
+# ------------------------------------------------------------------------------------------------ tensor math
+
+
+def value_stats(values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``range``, ``l2`` and ``absmax`` of each value vector of ``values (..., D)`` (float32, shape ``(...)``)."""
+    v = values.float()
+    return {s: value_statistic(v, s) for s in STATS}
+
+
+def quantize_groups(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Quantize-dequantize ``x (..., D)`` per token: asymmetric min-max with ``bits`` bits over groups of
+    ``group_size`` consecutive channels (a last group may be shorter; ``group_size >= D`` is one group).
+
+    Per group: ``scale = (max - min) / (2^bits - 1)``, ``q = clamp(round((x - min) / scale), 0, 2^bits - 1)``,
+    ``x̂ = q * scale + min``; a constant group (``max == min``) is reproduced exactly. Returns float32 ``(..., D)``.
+    """
+    if bits < 1:
+        raise ValueError(f"bits: must be >= 1, got {bits}")
+    if group_size < 1:
+        raise ValueError(f"group_size: must be >= 1, got {group_size}")
+    levels = 2**bits - 1
+    out = []
+    for g in torch.split(x.float(), group_size, dim=-1):
+        lo = g.amin(dim=-1, keepdim=True)
+        hi = g.amax(dim=-1, keepdim=True)
+        scale = (hi - lo) / levels
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round((g - lo) / safe).clamp(0, levels)
+        out.append(torch.where(scale > 0, q * safe + lo, g))
+    return torch.cat(out, dim=-1)
+
+
+def quantization_error(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(relative, absolute)`` L2 error of :func:`quantize_groups` per vector of ``x (..., D)``: ``(...)`` each.
+
+    ``relative = ‖x - x̂‖ / ‖x‖`` (0 for a zero vector).
+    """
+    x = x.float()
+    err = (x - quantize_groups(x, bits, group_size)).norm(dim=-1)
+    norm = x.norm(dim=-1)
+    rel = torch.where(norm > 0, err / norm.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(err))
+    return rel, err
+
+
+def spearman(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
+    """Spearman rank correlation (average ranks for ties); NaN with fewer than 3 points or a constant input."""
+    a, b = pd.Series(np.asarray(x, dtype=float)), pd.Series(np.asarray(y, dtype=float))
+    ok = a.notna() & b.notna()
+    if ok.sum() < 3:
+        return float("nan")
+    ra, rb = a[ok].rank().to_numpy(), b[ok].rank().to_numpy()
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+# ------------------------------------------------------------------------------------------------- capture
+
+
+@dataclass
+class ValueCapture:
+    """The value states of selected layers after one full-cache generation (one sample).
+
+    Attributes:
+        problem_id: the problem.
+        token_ids: ``(T,)`` the token at each cache position (prompt, then output; the last sampled token is never
+            fed, so it is not in the cache).
+        prompt_len: prompt tokens.
+        values: layer -> ``(H, T, D)`` float32 value states (position order).
+    """
+
+    problem_id: str
+    token_ids: np.ndarray
+    prompt_len: int
+    values: dict[int, np.ndarray]
+
+
+def capture_values(
+    model,
+    prompt_ids: Sequence[int],
+    layers: Sequence[int],
+    *,
+    max_new_tokens: int,
+    sampling=None,
+    eos_token_ids: Sequence[int] = (),
+    seed: int = 0,
+    problem_id: str = "",
+) -> ValueCapture:
+    """Decode one sample with the full cache through :func:`vase.generate.generate`; return the layers' values.
+
+    The cache is taken through generate's ``on_cache`` hook and read after decoding (one row, so no row ever leaves
+    the batch and the cache holds every token's value state).
+    """
+    from vase.generate import SamplingConfig, generate
+    from vase.policy import FullCache
+
+    n_layers = model.config.num_hidden_layers
+    bad = [x for x in layers if not 0 <= x < n_layers]
+    if bad:
+        raise ValueError(f"layers: {bad} out of range for a model with {n_layers} layers")
+    holder: list = []
+    out = generate(
+        model,
+        list(prompt_ids),
+        FullCache(),
+        n_samples=1,
+        sampling=sampling or SamplingConfig(greedy=True),
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_token_ids,
+        seed=seed,
+        on_cache=holder.append,
+    )
+    cache = holder[0]
+    length = cache.length
+    all_ids = np.asarray(list(prompt_ids) + list(out.tokens[0]), dtype=np.int64)
+    values = {}
+    for li in layers:
+        layer = cache.layers[li]
+        pos = layer.positions[0, 0, :length].cpu().numpy()
+        if not np.array_equal(pos, np.arange(length)):
+            raise RuntimeError(f"layer {li}: full-cache positions are not 0..{length - 1}; was the cache evicted?")
+        values[li] = layer.values[0, :, :length].float().cpu().numpy()
+    return ValueCapture(str(problem_id), all_ids[:length], len(prompt_ids), values)
+
+
+def token_records(
+    capture: ValueCapture,
+    bits: Sequence[int] = (2, 4),
+    group_sizes: Sequence[int] = (32, 64),
+) -> pd.DataFrame:
+    """One row per (layer, head, position): ``problem_id``, ``layer``, ``head``, ``position``, ``token_id``,
+    ``is_prompt``, ``range``, ``l2``, ``absmax``, and per (b, g) ``qerr_b{b}_g{g}`` (relative) and
+    ``qabs_b{b}_g{g}`` (absolute) quantization errors."""
+    frames = []
+    for li, vals in capture.values.items():
+        v = torch.from_numpy(vals)  # (H, T, D)
+        h, t, _ = v.shape
+        cols: dict[str, np.ndarray] = {
+            "problem_id": np.full(h * t, capture.problem_id, dtype=object),
+            "layer": np.full(h * t, li, dtype=np.int32),
+            "head": np.repeat(np.arange(h, dtype=np.int32), t),
+            "position": np.tile(np.arange(t, dtype=np.int32), h),
+            "token_id": np.tile(capture.token_ids[:t], h),
+            "is_prompt": np.tile(np.arange(t) < capture.prompt_len, h),
+        }
+        for name, stat in value_stats(v).items():
+            cols[name] = stat.reshape(-1).numpy()
+        for b in bits:
+            for g in group_sizes:
+                rel, err = quantization_error(v, b, g)
+                cols[f"qerr_b{b}_g{g}"] = rel.reshape(-1).numpy()
+                cols[f"qabs_b{b}_g{g}"] = err.reshape(-1).numpy()
+        frames.append(pd.DataFrame(cols))
+    return pd.concat(frames, ignore_index=True)
+
+
+# ------------------------------------------------------------------------------------------------ analyses
+
+
+def flag_large(df: pd.DataFrame, k: float = 5.0, stat: str = "range") -> pd.Series:
+    """Whether each token's ``stat`` exceeds ``k ×`` the median of its (layer, head) over all tokens analysed."""
+    med = df.groupby(["layer", "head"])[stat].transform("median")
+    return df[stat] > k * med
+
+
+def per_layer_stats(df: pd.DataFrame, ks: Sequence[float] = (3, 5, 10)) -> pd.DataFrame:
+    """Per layer: tokens, median / p90 / p99 / max of range and L2, max/median range ratio, and the share of tokens
+    whose range exceeds ``k ×`` their (layer, head) median, for each ``k``."""
+    rows = []
+    flags = {k: flag_large(df, k) for k in ks}
+    for li, sub in df.groupby("layer"):
+        row = {"layer": int(li), "tokens": int(len(sub)), "heads": int(sub["head"].nunique())}
+        for s in ("range", "l2"):
+            q = sub[s].quantile([0.5, 0.9, 0.99]).to_numpy()
+            row.update({f"{s}_median": q[0], f"{s}_p90": q[1], f"{s}_p99": q[2], f"{s}_max": float(sub[s].max())})
+        row["range_max_over_median"] = row["range_max"] / row["range_median"] if row["range_median"] else np.nan
+        for k in ks:
+            row[f"share_above_{k:g}x_median"] = float(flags[k][sub.index].mean())
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def position_bucket(position: np.ndarray | pd.Series) -> np.ndarray:
+    """The :data:`POSITION_BUCKETS` label of each absolute position."""
+    pos = np.asarray(position)
+    out = np.empty(len(pos), dtype=object)
+    for lo, hi, label in POSITION_BUCKETS:
+        out[(pos >= lo) & (pos < (hi if hi is not None else np.iinfo(np.int64).max))] = label
+    return out
+
+
+def large_value_locations(df: pd.DataFrame, k: float = 5.0) -> pd.DataFrame:
+    """Per layer and position bucket (and prompt vs output): share of the large-value tokens (range > ``k`` ×
+    median) that sit there, against the share of all tokens there (``enrichment = large_share / all_share``)."""
+    large = flag_large(df, k)
+    d = df.assign(
+        bucket=position_bucket(df["position"]), large=large, part=np.where(df["is_prompt"], "prompt", "output")
+    )
+    rows = []
+    for li, sub in d.groupby("layer"):
+        n_large = int(sub["large"].sum())
+        for col, labels in (("bucket", [b[2] for b in POSITION_BUCKETS]), ("part", ["prompt", "output"])):
+            for label in labels:
+                here = sub[col] == label
+                all_share = float(here.mean())
+                large_share = float((here & sub["large"]).sum() / n_large) if n_large else np.nan
+                rows.append(
+                    {
+                        "layer": int(li),
+                        "kind": col,
+                        "where": label,
+                        "tokens": int(here.sum()),
+                        "large_tokens": int((here & sub["large"]).sum()),
+                        "large_share": large_share,
+                        "all_share": all_share,
+                        "enrichment": large_share / all_share if all_share and not np.isnan(large_share) else np.nan,
+                    }
+                )
+    return pd.DataFrame(rows)
+
+
+def large_value_tokens(
+    df: pd.DataFrame, token_text: Callable[[int], str] | None = None, k: float = 5.0, top: int = 20
+) -> pd.DataFrame:
+    """The text tokens most often large-valued, over all analysed layers and heads: ``token_id``, ``text``,
+    ``large`` (large (layer, head, position) entries), ``occurrences`` (all entries of that token) and ``rate``."""
+    d = df.assign(large=flag_large(df, k))
+    g = d.groupby("token_id")["large"].agg(["sum", "count"]).rename(columns={"sum": "large", "count": "occurrences"})
+    g = g[g["large"] > 0].sort_values(["large", "occurrences"], ascending=[False, True]).head(top)
+    g["rate"] = g["large"] / g["occurrences"]
+    g = g.reset_index()
+    g["text"] = [token_text(int(t)) if token_text else str(t) for t in g["token_id"]]
+    sinks = d[d["position"] < SINKS].groupby("token_id")["position"].min()
+    g["sink_position"] = [int(sinks[t]) if t in sinks.index else -1 for t in g["token_id"]]
+    return g[["token_id", "text", "large", "occurrences", "rate", "sink_position"]]
+
+
+def quant_error_correlation(df: pd.DataFrame) -> pd.DataFrame:
+    """Per layer and (bits, group size): Spearman correlation of the value range with the relative and the absolute
+    quantization error, and the mean relative error of the top-1 % range tokens vs the others."""
+    rows = []
+    cols = sorted(c for c in df.columns if c.startswith("qerr_b"))
+    for li, sub in df.groupby("layer"):
+        top = sub["range"] >= sub["range"].quantile(0.99)
+        for c in cols:
+            b, g = c[len("qerr_b") :].split("_g")
+            rows.append(
+                {
+                    "layer": int(li),
+                    "bits": int(b),
+                    "group_size": int(g),
+                    "spearman_relative": spearman(sub["range"], sub[c]),
+                    "spearman_absolute": spearman(sub["range"], sub[c.replace("qerr", "qabs")]),
+                    "mean_rel_error": float(sub[c].mean()),
+                    "mean_rel_error_top1pct": float(sub.loc[top, c].mean()),
+                    "mean_rel_error_rest": float(sub.loc[~top, c].mean()),
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+# -------------------------------------------------------------------------------------------------- figures
+
+
+def plot_distributions(df: pd.DataFrame, title: str = ""):
+    """Violins of the value range and the L2 norm per layer (log scale)."""
+    layers = sorted(df["layer"].unique())
+    fig = new_figure(max(6.0, 1.1 * len(layers) + 3), 4.2)
+    axes = fig.subplots(1, 2)
+    for ax, stat, color in zip(axes, ("range", "l2"), ("#1f77b4", "#ff7f0e")):
+        data = [np.log10(np.clip(df.loc[df["layer"] == li, stat].to_numpy(), 1e-6, None)) for li in layers]
+        parts = ax.violinplot(data, showmedians=True, showextrema=True, widths=0.85)
+        for body in parts["bodies"]:
+            body.set_facecolor(color)
+            body.set_alpha(0.55)
+        ax.set_xticks(np.arange(1, len(layers) + 1), [str(x) for x in layers])
+        ax.set_xlabel("layer")
+        ax.set_ylabel(f"log10 value {'range (max - min)' if stat == 'range' else 'L2 norm'}")
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title or "Value-state magnitude per layer (all heads, all tokens)")
+    return fig
+
+
+def plot_share_above(stats: pd.DataFrame, title: str = ""):
+    """Grouped bars: share of tokens whose range exceeds k × their (layer, head) median, per layer."""
+    cols = [c for c in stats.columns if c.startswith("share_above_")]
+    fig = new_figure(max(5.5, 0.9 * len(stats) + 3), 3.8)
+    ax = fig.add_subplot()
+    x = np.arange(len(stats))
+    w = 0.8 / max(1, len(cols))
+    for i, c in enumerate(cols):
+        ax.bar(
+            x + (i - (len(cols) - 1) / 2) * w,
+            100 * stats[c],
+            width=w,
+            label=c.replace("share_above_", "> ").replace("_median", " median"),
+        )
+    ax.set_xticks(x, stats["layer"].astype(str))
+    ax.set_xlabel("layer")
+    ax.set_ylabel("% of tokens (per head median)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_title(title or "Share of large-value tokens")
+    return fig
+
+
+def plot_locations(loc: pd.DataFrame, k: float, title: str = ""):
+    """Stacked horizontal bars: where the large-value tokens sit (position buckets) per layer, vs all tokens."""
+    b = loc[loc["kind"] == "bucket"]
+    layers = sorted(b["layer"].unique())
+    labels = [x[2] for x in POSITION_BUCKETS]
+    colors = ["#d62728", "#ff7f0e", "#bcbd22", "#2ca02c", "#17becf", "#1f77b4"]
+    fig = new_figure(7.5, 0.45 * (len(layers) + 1) + 2)
+    ax = fig.add_subplot()
+    rows = [f"layer {li} (large)" for li in layers] + ["all tokens"]
+    left = np.zeros(len(rows))
+    for label, color in zip(labels, colors):
+        vals = [float(b[(b["layer"] == li) & (b["where"] == label)]["large_share"].fillna(0).sum()) for li in layers]
+        vals.append(float(b[(b["layer"] == layers[0]) & (b["where"] == label)]["all_share"].sum()) if layers else 0)
+        ax.barh(rows, vals, left=left, color=color, label=label)
+        left += np.asarray(vals)
+    ax.set_xlim(0, 1)
+    ax.invert_yaxis()
+    ax.set_xlabel("share of tokens")
+    ax.legend(fontsize=7, ncols=3, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    ax.set_title(title or f"Where the large-value tokens (range > {k:g}× median) sit", pad=40)
+    return fig
+
+
+def plot_top_tokens(tokens: pd.DataFrame, title: str = ""):
+    """Horizontal bars: the text tokens most often large-valued (count over layers × heads × occurrences)."""
+    fig = new_figure(6.5, 0.28 * max(len(tokens), 1) + 1.5)
+    ax = fig.add_subplot()
+    labels = [f"{t!r} @{p}" if p >= 0 else repr(t) for t, p in zip(tokens["text"], tokens["sink_position"])]
+    ax.barh(np.arange(len(tokens)), tokens["large"], color="#1f77b4")
+    ax.set_yticks(np.arange(len(tokens)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("large-value (layer, head, position) entries")
+    ax.set_title(title or "Which tokens carry large values (@p: also seen as sink at position p)")
+    return fig
+
+
+def plot_quant_error(
+    df: pd.DataFrame,
+    corr: pd.DataFrame,
+    bits: int,
+    group_size: int,
+    title: str = "",
+    max_points: int = 4000,
+    seed: int = 0,
+):
+    """Per layer: scatter of value range vs relative quantization error (b bits, groups of g), Spearman in titles."""
+    layers = sorted(df["layer"].unique())
+    cols = min(len(layers), 5)
+    rows = int(np.ceil(len(layers) / cols))
+    fig = new_figure(3.2 * cols, 2.9 * rows)
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
+    col = f"qerr_b{bits}_g{group_size}"
+    rng = np.random.default_rng(seed)
+    for ax, li in zip(axes, layers):
+        sub = df[df["layer"] == li]
+        if len(sub) > max_points:
+            sub = sub.iloc[rng.choice(len(sub), max_points, replace=False)]
+        ax.scatter(sub["range"], sub[col], s=3, alpha=0.35, c=np.where(sub["position"] < SINKS, "#d62728", "#1f77b4"))
+        r = corr[(corr["layer"] == li) & (corr["bits"] == bits) & (corr["group_size"] == group_size)]
+        rho = r["spearman_relative"].iloc[0] if len(r) else np.nan
+        ax.set_xscale("log")
+        ax.set_title(f"layer {li}: ρ = {rho:.2f}", fontsize=9)
+        ax.set_xlabel("value range", fontsize=8)
+        ax.set_ylabel("relative error", fontsize=8)
+    for ax in axes[len(layers) :]:
+        ax.set_visible(False)
+    fig.suptitle(title or f"Value range vs {bits}-bit quantization error (groups of {group_size}); red: sinks")
+    return fig
+
+
+def plot_correlation_heatmap(corr: pd.DataFrame, title: str = ""):
+    """Heatmap of the Spearman correlation (range vs relative error) per layer × (bits, group size)."""
+    corr = corr.assign(setting=[f"{b}b/g{g}" for b, g in zip(corr["bits"], corr["group_size"])])
+    grid = corr.pivot(index="setting", columns="layer", values="spearman_relative")
+    fig = new_figure(1.0 * grid.shape[1] + 3, 0.55 * grid.shape[0] + 1.8)
+    ax = fig.add_subplot()
+    im = ax.imshow(grid.to_numpy(dtype=float), cmap="coolwarm", vmin=-1, vmax=1, aspect="auto")
+    for i in range(grid.shape[0]):
+        for j in range(grid.shape[1]):
+            ax.text(j, i, f"{grid.iat[i, j]:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(grid.shape[1]), [str(c) for c in grid.columns])
+    ax.set_yticks(range(grid.shape[0]), list(grid.index))
+    ax.set_xlabel("layer")
+    fig.colorbar(im, ax=ax, label="Spearman ρ")
+    ax.set_title(title or "Spearman(value range, relative quantization error)")
+    return fig
+
+
+# ------------------------------------------------------------------------------------------------- pipeline
+
+
+@dataclass
+class ValueAnalysis:
+    """Results of :func:`analyze`: the per-token records and the derived tables."""
+
+    records: pd.DataFrame
+    per_layer: pd.DataFrame
+    locations: pd.DataFrame
+    tokens: pd.DataFrame
+    correlation: pd.DataFrame
+    k: float
+
+
+def analyze(
+    records: pd.DataFrame,
+    token_text: Callable[[int], str] | None = None,
+    k: float = 5.0,
+    ks: Sequence[float] = (3, 5, 10),
+    top: int = 20,
+) -> ValueAnalysis:
+    """Every table of the analysis from the per-token records (:func:`token_records` of each capture)."""
+    ks = tuple(sorted(set(ks) | {k}))
+    return ValueAnalysis(
+        records,
+        per_layer_stats(records, ks),
+        large_value_locations(records, k),
+        large_value_tokens(records, token_text, k, top),
+        quant_error_correlation(records),
+        k,
+    )
+
+
+def write_outputs(
+    res: ValueAnalysis,
+    out_dir: str | Path,
+    formats: Sequence[str] = ("png", "pdf"),
+    title: str = "",
+    save_records: bool = False,
+) -> list[Path]:
+    """Write the CSV tables and every figure into ``out_dir``; return the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, df in (
+        ("per_layer_stats", res.per_layer),
+        ("large_value_positions", res.locations),
+        ("large_value_tokens", res.tokens),
+        ("quant_error_spearman", res.correlation),
+    ):
+        df.to_csv(out / f"{name}.csv", index=False)
+        paths.append(out / f"{name}.csv")
+    if save_records:
+        res.records.to_csv(out / "records.csv.gz", index=False)
+        paths.append(out / "records.csv.gz")
+    suffix = f" — {title}" if title else ""
+    figs = {
+        "value_distributions": plot_distributions(res.records, f"Value-state magnitude per layer{suffix}"),
+        "large_value_share": plot_share_above(res.per_layer, f"Share of large-value tokens{suffix}"),
+        "large_value_positions": plot_locations(res.locations, res.k),
+        "large_value_tokens": plot_top_tokens(res.tokens),
+        "quant_error_spearman": plot_correlation_heatmap(res.correlation),
+    }
+    for b, g in sorted({(int(b), int(g)) for b, g in zip(res.correlation["bits"], res.correlation["group_size"])}):
+        figs[f"quant_error_b{b}_g{g}"] = plot_quant_error(res.records, res.correlation, b, g)
+    for name, fig in figs.items():
+        paths += save_figure(fig, out, name, formats, dpi=110)
+    return paths
