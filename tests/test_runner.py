@@ -222,3 +222,20 @@ def test_wandb_offline_run_is_accepted_by_wandb_sync(tmp_path):
     sync = subprocess.run(["wandb", "sync", "--dry-run", str(offline[0])], env=env, capture_output=True, text=True,
                           timeout=120)
     assert sync.returncode == 0, sync.stdout + sync.stderr
+
+
+def test_sharded_runs_merge_into_one(tmp_path):
+    from vase.runner import run
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from merge_shards import merge
+
+    base = [a for a in TINY if not a.startswith("limit=")] + ["limit=2", "task.num_shards=2",
+                                                                f"results_dir={tmp_path}"]
+    metrics = [run(_compose(base + [f"task.shard={i}"]), progress=False) for i in range(2)]
+    assert all(m["complete"] and m["problems"] == 1 for m in metrics)
+    prefix = Path(metrics[0]["run_dir"].rsplit("-shard", 1)[0])
+    merged = merge(prefix)
+    assert merged["complete"] and merged["problems"] == 2 and merged["samples"] == 4
+    acc = sum(m["accuracy"] for m in metrics) / 2
+    assert abs(merged["accuracy"] - acc) < 1e-9

@@ -199,7 +199,9 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     try:
         if todo:
             _decode(prep, todo, done_rows, run_dir, run_logger, progress)
-        metrics = compute_metrics(run_dir, problems, prep, cfg.pass_k)
+        info = {"policy": prep.policy.name, "task": prep.task.name, "model": prep.model_spec.key,
+                "budget": cfg.budget, "window": cfg.window, "ratio": cfg.ratio, "run_dir": str(run_dir)}
+        metrics = compute_metrics(run_dir, [p.id for p in problems], prep.n_samples, info, cfg.pass_k)
         write_json(run_dir / "metrics.json", metrics)
         run_logger.finish(metrics=metrics, run_dir=run_dir)
     except BaseException:
@@ -284,9 +286,12 @@ def _decode(prep: Prepared, todo, done_rows, run_dir: Path, run_logger, progress
                                  "progress/decode_tokens_per_second": tps})
 
 
-def compute_metrics(run_dir: Path, problems, prep: Prepared, pass_k) -> dict:
-    """The run's metrics, from ``samples.jsonl`` and ``batches.jsonl`` (restricted to this run's problems)."""
-    ids = {p.id for p in problems}
+def compute_metrics(run_dir: Path, problem_ids: list[str], n_samples: int, info: dict, pass_k) -> dict:
+    """The run's metrics, from ``samples.jsonl`` and ``batches.jsonl`` (restricted to ``problem_ids``).
+
+    ``info`` (policy, task, model, budget, ...) is copied into the metrics so they are self-describing.
+    """
+    ids = set(problem_ids)
     rows = [r for r in read_jsonl_tolerant(run_dir / SAMPLES) if r["problem_id"] in ids]
     batches = [b for b in read_jsonl_tolerant(run_dir / BATCHES) if b["problem_id"] in ids]
     by_problem: dict[str, list[dict]] = defaultdict(list)
@@ -299,10 +304,9 @@ def compute_metrics(run_dir: Path, problems, prep: Prepared, pass_k) -> dict:
     rows = [r for rs in by_problem.values() for r in rs]
     n = len(rows)
     metrics: dict[str, Any] = {
-        "problems": len(by_problem), "problems_expected": len(problems), "samples": n,
-        "complete": len(by_problem) == len(problems) and all(len(v) == prep.n_samples for v in by_problem.values()),
-        "policy": prep.policy.name, "task": prep.task.name, "model": prep.model_spec.key,
-        "budget": prep.cfg.budget, "window": prep.cfg.window, "ratio": prep.cfg.ratio, "run_dir": str(run_dir),
+        "problems": len(by_problem), "problems_expected": len(ids), "samples": n,
+        "complete": len(by_problem) == len(ids) and all(len(v) == n_samples for v in by_problem.values()),
+        **info,
     }
     if not n:
         return metrics
