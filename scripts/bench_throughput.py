@@ -76,34 +76,118 @@ if str(REPO) not in sys.path:
 # Qwen3 shapes (vocab, hidden, layers, heads, head_dim, intermediate) from the models' config.json; random weights.
 COMMON = dict(max_position_embeddings=40960, initializer_range=0.02, rms_norm_eps=1e-6)
 PRESETS: dict[str, dict] = {
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
-    "cpu-small": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False),
-    "qwen3-0.6b-shape": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                             num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-4b-shape": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-14b-shape": dict(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
-                            num_attention_heads=40, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "tiny": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    ),
+    "cpu-small": dict(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-0.6b-shape": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-4b-shape": dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-14b-shape": dict(
+        vocab_size=151936,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
 }
 
 # The paper's throughput table (method.md §5), shortened to fit ~8 minutes on one H200 (see the module docstring).
 PAPER14B = dict(
-    model="qwen3-14b-shape", dtype="bfloat16", device="cuda", batch=16, prompt_len=256, output_lens="16384,32768",
-    budgets="2048,4096,6144", window=64, policies="streaming,vase_attnv,vase_dkv,rkv,full", warmup=1, repeats=2,
-    protocol="steady", steady_steps=256, warmup_steps=80, time_limit=420.0, attn_backend="auto",
+    model="qwen3-14b-shape",
+    dtype="bfloat16",
+    device="cuda",
+    batch=16,
+    prompt_len=256,
+    output_lens="16384,32768",
+    budgets="2048,4096,6144",
+    window=64,
+    policies="streaming,vase_attnv,vase_dkv,rkv,full",
+    warmup=1,
+    repeats=2,
+    protocol="steady",
+    steady_steps=256,
+    warmup_steps=80,
+    time_limit=420.0,
+    attn_backend="auto",
 )
 
 ALL_POLICIES = sorted(p.stem for p in (REPO / "conf" / "policy").glob("*.yaml"))
 
 CSV_COLUMNS = [
-    "model", "dtype", "device", "attn_backend", "protocol", "policy", "kind", "budget", "window", "batch",
-    "prompt_len", "output_len", "run_prompt_len", "run_output_len", "warmup", "repeats", "status",
-    "decode_tok_s", "decode_tok_s_runs", "step_ms", "prefill_s", "eviction_share", "evictions", "held_tokens",
-    "kv_cache_bytes", "kv_bytes_static", "kv_bytes_equal", "aux_bytes", "capacity",
-    "peak_mem_bytes", "peak_delta_bytes", "peak_mem_source", "est_tok_s", "ratio_vs_full", "ratio_vs_streaming",
-    "load_1m", "wall_s",
+    "model",
+    "dtype",
+    "device",
+    "attn_backend",
+    "protocol",
+    "policy",
+    "kind",
+    "budget",
+    "window",
+    "batch",
+    "prompt_len",
+    "output_len",
+    "run_prompt_len",
+    "run_output_len",
+    "warmup",
+    "repeats",
+    "status",
+    "decode_tok_s",
+    "decode_tok_s_runs",
+    "step_ms",
+    "prefill_s",
+    "eviction_share",
+    "evictions",
+    "held_tokens",
+    "kv_cache_bytes",
+    "kv_bytes_static",
+    "kv_bytes_equal",
+    "aux_bytes",
+    "capacity",
+    "peak_mem_bytes",
+    "peak_delta_bytes",
+    "peak_mem_source",
+    "est_tok_s",
+    "ratio_vs_full",
+    "ratio_vs_streaming",
+    "load_1m",
+    "wall_s",
 ]
 
 
@@ -260,10 +344,16 @@ def machine_info(device: str) -> dict:
         except ImportError:
             info["flash_attn"] = None
     try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                            timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "vase", "baselines"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        info["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "vase", "baselines"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         info["engine_files_modified"] = dirty.splitlines() if dirty else []
     except (OSError, subprocess.SubprocessError):
         pass
@@ -309,76 +399,164 @@ def plan_run(kind: str, spec: dict) -> tuple[int, int]:
     return p + n - s, s
 
 
+class Job:
+    """One config ready to run: its policy, prompt, planned lengths and the static KV size computed from the config."""
+
+    def __init__(self, spec: dict, model=None):
+        from vase.models import resolve_dtype
+
+        self.spec = spec
+        self.device = torch.device(spec["device"])
+        self.dtype = resolve_dtype(spec["dtype"])
+        self.policy = make_policy(spec["policy"], spec["budget"], spec["window"])
+        self.run_p, self.run_n = plan_run(self.policy.kind, spec)
+        if model is None:
+            model = build_model(
+                spec["model"], self.dtype, self.device, seed=spec.get("seed", 0), max_tokens=self.run_p + self.run_n + 1
+            )
+        self.model = model
+        self.prompt = random_prompt(self.run_p, model.config.vocab_size, seed=spec.get("seed", 0))
+        self.capacity = static_capacity(self.policy.kind, self.run_p, self.run_n, spec["budget"], spec["window"])
+        self.outs: list = []  # timed runs' stats
+        self.mem: PeakMemory | None = None
+        self.t_start = time.perf_counter()
+
+    def once(self, n_new: int | None = None):
+        """One generation (greedy, EOS ignored); ``n_new`` defaults to the planned output length."""
+        from vase.generate import SamplingConfig, generate
+
+        s = self.spec
+        return generate(
+            self.model,
+            self.prompt,
+            self.policy,
+            n_samples=s["batch"],
+            sampling=SamplingConfig(temperature=0),
+            max_new_tokens=n_new or self.run_n,
+            ignore_eos=True,
+            attn_backend=s.get("attn_backend", "auto"),
+            seed=s.get("seed", 0),
+        )
+
+    def warm(self) -> None:
+        for _ in range(self.spec["warmup"]):
+            self.once(min(self.run_n, self.spec.get("warmup_steps") or self.run_n))
+
+    def timed(self) -> None:
+        self.outs.append(self.once().stats)
+
+    def row(self, status: str = "ok") -> dict:
+        """The CSV row of this config from its timed runs (and ``self.mem``, the peak memory over them)."""
+        spec = self.spec
+        row = {
+            k: spec.get(k)
+            for k in (
+                "model",
+                "dtype",
+                "device",
+                "protocol",
+                "policy",
+                "budget",
+                "window",
+                "batch",
+                "prompt_len",
+                "output_len",
+                "warmup",
+                "repeats",
+            )
+        }
+        if spec.get("probe"):
+            row["policy"] = f"{spec['policy']}@{spec['probe']}"
+        row.update(
+            kind=self.policy.kind,
+            run_prompt_len=self.run_p,
+            run_output_len=self.run_n,
+            capacity=self.capacity,
+            status=status,
+            load_1m=round(load_1m(), 2),
+            kv_bytes_static=static_kv_bytes(self.model.config, spec["batch"], self.capacity, self.dtype),
+            wall_s=round(time.perf_counter() - self.t_start, 1),
+        )
+        st = self.outs
+        if status != "ok" or not st:
+            return row
+        tok_s = [s["decode_tokens"] / s["decode_seconds"] for s in st]
+        steps = max(self.run_n - 1, 1)
+        dec = sum(s["decode_seconds"] for s in st)
+        row.update(
+            attn_backend=st[0]["attn_backend"],
+            decode_tok_s=trimmed_mean(tok_s),
+            decode_tok_s_runs=";".join(f"{x:.2f}" for x in tok_s),
+            step_ms=trimmed_mean([1e3 * s["decode_seconds"] / steps for s in st]),
+            prefill_s=trimmed_mean([s["prefill_seconds"] for s in st]),
+            eviction_share=sum(s["eviction_seconds"] for s in st) / dec if dec > 0 else float("nan"),
+            evictions=st[0]["evictions"],
+            held_tokens=round(st[0]["held_tokens"], 1),
+            kv_cache_bytes=st[0]["kv_cache_bytes"],
+            aux_bytes=st[0]["aux_bytes"],
+        )
+        row["kv_bytes_equal"] = row["kv_cache_bytes"] == row["kv_bytes_static"] and st[0]["capacity"] == self.capacity
+        if self.mem is not None and self.mem.peak is not None:
+            row.update(
+                peak_mem_bytes=self.mem.peak,
+                peak_mem_source=self.mem.source,
+                peak_delta_bytes=self.mem.peak - self.mem.baseline if self.mem.baseline is not None else None,
+            )
+        return row
+
+
 def run_config(spec: dict, model=None) -> dict:
-    """Benchmark one (policy, budget, output length) config; returns one CSV row (dict).
+    """Benchmark one config: ``warmup`` runs, then ``repeats`` timed runs under a peak-memory probe; one CSV row.
 
     ``spec`` keys: model, dtype, device, attn_backend, policy, budget, window, batch, prompt_len, output_len, warmup,
     repeats, seed, protocol (full | steady), steady_steps, warmup_steps, probe (None | "start").
     """
-    from vase.generate import SamplingConfig, generate
-    from vase.models import resolve_dtype
-
-    t_start = time.perf_counter()
-    device = torch.device(spec["device"])
-    dtype = resolve_dtype(spec["dtype"])
-    policy = make_policy(spec["policy"], spec["budget"], spec["window"])
-    run_p, run_n = plan_run(policy.kind, spec)
-    if model is None:
-        model = build_model(spec["model"], dtype, device, seed=spec.get("seed", 0), max_tokens=run_p + run_n + 1)
-    cfg = model.config
-    prompt = random_prompt(run_p, cfg.vocab_size, seed=spec.get("seed", 0))
-    row = {k: spec.get(k) for k in ("model", "dtype", "device", "protocol", "policy", "budget", "window", "batch",
-                                    "prompt_len", "output_len", "warmup", "repeats")}
-    if spec.get("probe"):
-        row["policy"] = f"{spec['policy']}@{spec['probe']}"
-    capacity = static_capacity(policy.kind, run_p, run_n, spec["budget"], spec["window"])
-    row.update(kind=policy.kind, run_prompt_len=run_p, run_output_len=run_n, capacity=capacity,
-               kv_bytes_static=static_kv_bytes(cfg, spec["batch"], capacity, dtype), load_1m=round(load_1m(), 2))
-
-    def once(n_new: int):
-        return generate(model, prompt, policy, n_samples=spec["batch"], sampling=SamplingConfig(temperature=0),
-                        max_new_tokens=n_new, ignore_eos=True, attn_backend=spec.get("attn_backend", "auto"),
-                        seed=spec.get("seed", 0))
-
+    job = Job(spec, model)
     try:
-        for _ in range(spec["warmup"]):
-            once(min(run_n, spec.get("warmup_steps") or run_n))
-        outs = []
-        with PeakMemory(device) as mem:
+        job.warm()
+        with PeakMemory(job.device) as mem:
             for _ in range(spec["repeats"]):
-                outs.append(once(run_n))
+                job.timed()
+        job.mem = mem
     except torch.cuda.OutOfMemoryError:
-        row.update(status="OOM", wall_s=round(time.perf_counter() - t_start, 1))
-        del model
+        job.outs = []
+        row = job.row("OOM")
+        del job
         gc.collect()
         torch.cuda.empty_cache()
         return row
-    st = [o.stats for o in outs]
-    tok_s = [s["decode_tokens"] / s["decode_seconds"] for s in st]
-    steps = max(run_n - 1, 1)
-    dec = sum(s["decode_seconds"] for s in st)
-    row.update(
-        status="ok",
-        attn_backend=st[0]["attn_backend"],
-        decode_tok_s=trimmed_mean(tok_s),
-        decode_tok_s_runs=";".join(f"{x:.2f}" for x in tok_s),
-        step_ms=trimmed_mean([1e3 * s["decode_seconds"] / steps for s in st]),
-        prefill_s=trimmed_mean([s["prefill_seconds"] for s in st]),
-        eviction_share=sum(s["eviction_seconds"] for s in st) / dec if dec > 0 else float("nan"),
-        evictions=st[0]["evictions"],
-        held_tokens=round(st[0]["held_tokens"], 1),
-        kv_cache_bytes=st[0]["kv_cache_bytes"],
-        aux_bytes=st[0]["aux_bytes"],
-        peak_mem_bytes=mem.peak,
-        peak_delta_bytes=(mem.peak - mem.baseline) if mem.peak is not None and mem.baseline is not None else None,
-        peak_mem_source=mem.source,
-        wall_s=round(time.perf_counter() - t_start, 1),
-    )
-    row["kv_bytes_equal"] = row["kv_cache_bytes"] == row["kv_bytes_static"]
-    if st[0]["capacity"] != capacity:
-        row["kv_bytes_equal"] = False
-    row["load_1m"] = round(max(row["load_1m"], load_1m()), 2)
-    return row
+    return job.row()
+
+
+def run_interleaved(specs: list[dict], model, repeats: int, progress=print) -> list[dict]:
+    """Timing with the configs interleaved: every config's warm-up, then ``repeats`` rounds of one run of each.
+
+    On a shared machine the load drifts; round-robin rounds spread the drift over every config instead of biasing
+    whichever ran in a busy minute, so the ratios between policies are fair. Peak memory is not measured here.
+    """
+    jobs: list[Job | str] = []
+    for spec in specs:
+        try:
+            jobs.append(Job(spec, model))
+        except Exception as err:  # noqa: BLE001 - a config that cannot be built is recorded, the sweep goes on
+            jobs.append(f"error: {type(err).__name__}: {err}"[:200])
+
+    def attempt(i: int, fn) -> None:
+        try:
+            fn()
+        except Exception as err:  # noqa: BLE001 - a failing config is recorded and dropped from later rounds
+            jobs[i] = f"error: {type(err).__name__}: {err}"[:200]
+
+    for i, job in enumerate(jobs):
+        if isinstance(job, Job):
+            attempt(i, job.warm)
+    for r in range(repeats):
+        t = time.perf_counter()
+        for i, job in enumerate(jobs):
+            if isinstance(job, Job):
+                attempt(i, job.timed)
+        progress(f"  round {r + 1}/{repeats} done in {time.perf_counter() - t:.0f}s (load {load_1m():.1f})")
+    return [job.row() if isinstance(job, Job) else _skipped(spec, job) for job, spec in zip(jobs, specs)]
 
 
 WORKER_TAG = "BENCH_ROW_JSON:"
@@ -393,7 +571,7 @@ def run_isolated(spec: dict, timeout: float | None = None) -> dict:
         return {**spec, "status": "timeout"}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(WORKER_TAG):
-            return json.loads(line[len(WORKER_TAG):])
+            return json.loads(line[len(WORKER_TAG) :])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
     return {**spec, "status": f"error: {tail[0][:200]}"}
 
@@ -401,10 +579,21 @@ def run_isolated(spec: dict, timeout: float | None = None) -> dict:
 # ---- the sweep -----------------------------------------------------------------------------------------------
 def sweep_specs(args) -> list[dict]:
     """Every config of the sweep, in run order (the full cache once per output length: it ignores the budget)."""
-    base = dict(model=args.model, dtype=args.dtype, device=args.device, attn_backend=args.attn_backend,
-                window=args.window, batch=args.batch, prompt_len=args.prompt_len, warmup=args.warmup,
-                repeats=args.repeats, seed=args.seed, protocol=args.protocol, steady_steps=args.steady_steps,
-                warmup_steps=args.warmup_steps)
+    base = dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        attn_backend=args.attn_backend,
+        window=args.window,
+        batch=args.batch,
+        prompt_len=args.prompt_len,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        seed=args.seed,
+        protocol=args.protocol,
+        steady_steps=args.steady_steps,
+        warmup_steps=args.warmup_steps,
+    )
     kinds = {name: make_policy(name, max(args.budgets), args.window).kind for name in args.policies}
     specs = []
     for budget in args.budgets:
@@ -424,6 +613,7 @@ def sweep_specs(args) -> list[dict]:
 
 def add_ratios(rows: list[dict], output_lens: list[int]) -> None:
     """``ratio_vs_full`` (same output length) and ``ratio_vs_streaming`` (same budget and output length)."""
+
     def tput(r):
         v = r.get("est_tok_s") if r.get("protocol") == "steady" else r.get("decode_tok_s")
         return v if r.get("status") == "ok" and v else None
@@ -446,7 +636,7 @@ def add_estimates(rows: list[dict], output_lens: list[int]) -> list[dict]:
         if r["policy"] == "full@start":
             out.append(r)
             continue
-        for n in (output_lens if r.get("kind") == "eviction" else [r["output_len"]]):
+        for n in output_lens if r.get("kind") == "eviction" else [r["output_len"]]:
             e = dict(r, output_len=n)
             e["est_tok_s"] = _estimate(e, start, ends) if r.get("status") == "ok" else None
             out.append(e)
@@ -528,11 +718,16 @@ def plot(rows: list[dict], path_stem: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
         longest = max((r["output_len"] for r in sel), default=0)
-        last = sorted([r for r in sel if r["output_len"] == longest and r.get("peak_mem_bytes")],
-                      key=lambda r: r["policy"])
+        last = sorted(
+            [r for r in sel if r["output_len"] == longest and r.get("peak_mem_bytes")], key=lambda r: r["policy"]
+        )
         axm.barh([r["policy"] for r in last], [r["peak_mem_bytes"] / 2**20 for r in last], color="tab:gray")
-        axm.barh([r["policy"] for r in last], [r["kv_cache_bytes"] / 2**20 for r in last], color="tab:blue",
-                 label="allocated KV")
+        axm.barh(
+            [r["policy"] for r in last],
+            [r["kv_cache_bytes"] / 2**20 for r in last],
+            color="tab:blue",
+            label="allocated KV",
+        )
         axm.set_xlabel("MiB (gray: peak memory, blue: allocated KV)")
         axm.set_title(f"memory at {longest} output tokens")
         axm.tick_params(axis="y", labelsize=7)
@@ -544,26 +739,47 @@ def plot(rows: list[dict], path_stem: Path) -> list[Path]:
     return paths
 
 
+def _cell(v, spec: str, width: int) -> str:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and not (isinstance(v, float) and math.isnan(v))
+    return format(format(v, spec) if ok else "-", f">{width}")
+
+
 def print_table(rows: list[dict]) -> str:
     """The human-readable table: tokens/s, ratios, eviction share, KV bytes check, peak memory."""
-    key = "est_tok_s" if any(r.get("protocol") == "steady" for r in rows) else "decode_tok_s"
-    hdr = (f"{'policy':<18}{'budget':>7}{'output':>7}{'tok/s':>10}{'step ms':>9}{'x full':>8}{'x strm':>8}"
-           f"{'evict%':>8}{'KV MiB':>9}{'KV=static':>10}{'peak MiB':>10}{'dpeak MiB':>10}  status")
+    steady = any(r.get("protocol") == "steady" for r in rows)
+    key = "est_tok_s" if steady else "decode_tok_s"
+    cols = [
+        ("policy", 18),
+        ("budget", 7),
+        ("output", 7),
+        ("est tok/s" if steady else "tok/s", 10),
+        ("step ms", 9),
+        ("x full", 8),
+        ("x strm", 8),
+        ("evict%", 8),
+        ("KV MiB", 9),
+        ("KV=static", 10),
+        ("peak MiB", 10),
+        ("dpeak MiB", 10),
+    ]
+    hdr = "".join(name.ljust(w) if i == 0 else name.rjust(w) for i, (name, w) in enumerate(cols)) + "  status"
     lines = [hdr, "-" * len(hdr)]
-    for r in sorted(rows, key=lambda r: (r["budget"] if r.get("kind") != "none" else -1, r["output_len"],
-                                         r["policy"])):
-        def f(v, spec):
-            return format(v, spec) if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v)) \
-                else "-"
-
-        mib = lambda v: v / 2**20 if isinstance(v, (int, float)) else None
+    mib = lambda v: v / 2**20 if isinstance(v, (int, float)) else None
+    order = lambda r: (r["budget"] if r.get("kind") != "none" else -1, r["output_len"], r["policy"])
+    for r in sorted(rows, key=order):
         share = r.get("eviction_share")
         lines.append(
-            f"{r['policy']:<18}{r['budget']:>7}{r['output_len']:>7}{f(r.get(key), '10.1f')}{f(r.get('step_ms'), '9.2f')}"
-            f"{f(r.get('ratio_vs_full'), '8.2f')}{f(r.get('ratio_vs_streaming'), '8.3f')}"
-            f"{f(100 * share if isinstance(share, float) else None, '8.1f')}{f(mib(r.get('kv_cache_bytes')), '9.2f')}"
-            f"{str(r.get('kv_bytes_equal', '-')):>10}{f(mib(r.get('peak_mem_bytes')), '10.1f')}"
-            f"{f(mib(r.get('peak_delta_bytes')), '10.1f')}  {r.get('status')}"
+            f"{r['policy']:<18}{r['budget']:>7}{r['output_len']:>7}"
+            + _cell(r.get(key), ".1f", 10)
+            + _cell(r.get("step_ms"), ".2f", 9)
+            + _cell(r.get("ratio_vs_full"), ".2f", 8)
+            + _cell(r.get("ratio_vs_streaming"), ".3f", 8)
+            + _cell(100 * share if isinstance(share, float) else None, ".1f", 8)
+            + _cell(mib(r.get("kv_cache_bytes")), ".2f", 9)
+            + f"{str(r.get('kv_bytes_equal', '-')):>10}"
+            + _cell(mib(r.get("peak_mem_bytes")), ".1f", 10)
+            + _cell(mib(r.get("peak_delta_bytes")), ".1f", 10)
+            + f"  {r.get('status')}"
         )
     text = "\n".join(lines)
     print(text, flush=True)
@@ -572,7 +788,7 @@ def print_table(rows: list[dict]) -> str:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--preset", choices=["paper14b"], help="a predefined sweep (overrides the other settings)")
+    ap.add_argument("--preset", choices=["paper14b"], help="a predefined sweep (its settings become the defaults)")
     ap.add_argument("--model", default="cpu-small", choices=list(PRESETS), help="random-weight model shape")
     ap.add_argument("--dtype", default="bfloat16", help="bfloat16 | float16 | float32")
     ap.add_argument("--device", default="auto", help="auto (cuda when available) | cpu | cuda[:i]")
@@ -589,18 +805,43 @@ def parse_args(argv=None):
     ap.add_argument("--protocol", default="full", choices=["full", "steady"], help="see the module docstring")
     ap.add_argument("--steady-steps", type=int, default=256, help="decode steps per run with --protocol steady")
     ap.add_argument("--warmup-steps", type=int, default=0, help="decode steps of a warm-up run (0: a full run)")
-    ap.add_argument("--isolate", default="auto", choices=["auto", "subprocess", "none"],
-                    help="run each config in a fresh process (auto: on CPU, where peak RSS needs it)")
+    ap.add_argument(
+        "--schedule",
+        default="auto",
+        choices=["auto", "interleaved", "sequential"],
+        help="interleaved: warm-ups, then rounds of one timed run per config, all in this process, then\n"
+        "a memory pass; sequential: config after config (auto: interleaved on CPU)",
+    )
+    ap.add_argument(
+        "--isolate",
+        default="auto",
+        choices=["auto", "subprocess", "none"],
+        help="measure memory in a fresh process per config (auto: on CPU, where peak RSS needs it)",
+    )
+    ap.add_argument(
+        "--no-memory-pass",
+        dest="memory_pass",
+        action="store_false",
+        help="interleaved schedule: skip the memory pass (no peak memory reported)",
+    )
     ap.add_argument("--time-limit", type=float, default=0.0, help="skip the configs left after this many seconds")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=-1,
+        help="torch CPU threads (-1: 1 on CPU, torch's default on CUDA; 0: torch's default). On a shared\n"
+        "CPU, OpenMP threads waiting for a descheduled sibling make small decode steps 10x slower",
+    )
     ap.add_argument("--out", default=None, help="output directory (default results/bench/<model>_<time>)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    pre, _ = ap.parse_known_args(argv)
+    if pre.preset == "paper14b":  # the preset's values become the defaults; explicit options still win
+        ap.set_defaults(**PAPER14B)
     args = ap.parse_args(argv)
-    if args.preset == "paper14b":
-        for k, v in PAPER14B.items():
-            setattr(args, k, v)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.threads < 0:
+        args.threads = 1 if args.device == "cpu" else 0
     args.policies = [p.strip() for p in str(args.policies).split(",") if p.strip()]
     args.output_lens = [int(x) for x in str(args.output_lens).split(",")]
     args.budgets = [int(x) for x in str(args.budgets).split(",")]
@@ -615,39 +856,74 @@ def run_benchmark(args) -> list[dict]:
         torch.set_num_threads(args.threads)
     out = Path(args.out or REPO / "results" / "bench" / f"{args.model}_{_dt.datetime.now():%Y%m%d_%H%M%S}")
     out.mkdir(parents=True, exist_ok=True)
-    isolate = args.isolate == "subprocess" or (args.isolate == "auto" and args.device == "cpu")
+    cpu = args.device == "cpu"
+    schedule = args.schedule if args.schedule != "auto" else ("interleaved" if cpu else "sequential")
+    isolate = args.isolate == "subprocess" or (args.isolate == "auto" and cpu)
     info = machine_info(args.device)
-    info.update(isolate=isolate, settings={k: v for k, v in vars(args).items() if k != "worker"})
+    info.update(schedule=schedule, isolate=isolate, settings={k: v for k, v in vars(args).items() if k != "worker"})
     specs = sweep_specs(args)
-    print(f"# {len(specs)} configs, model {args.model} {args.dtype} on {args.device}"
-          f"{' (each in a fresh process)' if isolate else ''}; load {info.get('loadavg')}", flush=True)
+    for spec in specs:
+        spec["threads"] = args.threads
+    print(
+        f"# {len(specs)} configs, model {args.model} {args.dtype} on {args.device}, {torch.get_num_threads()} "
+        f"thread(s), schedule {schedule}{', memory in a fresh process per config' if isolate else ''}; "
+        f"load {info.get('loadavg')}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
     model = None
-    if not isolate:
+    if schedule == "interleaved" or not isolate:
         from vase.models import resolve_dtype
 
         longest = max(args.prompt_len, max(args.budgets)) + max(args.output_lens) + 1
         model = build_model(args.model, resolve_dtype(args.dtype), torch.device(args.device), args.seed, longest)
+
+    def report(row, cost):
+        v, share, peak = row.get("decode_tok_s"), row.get("eviction_share"), row.get("peak_mem_bytes")
+        text = f"{v:9.1f} tok/s" if v else str(row.get("status"))
+        if isinstance(share, float):
+            text += f"  evict {share:.1%}"
+        text += f"  KV ok={row.get('kv_bytes_equal')}"
+        if peak:
+            text += f"  peak {peak / 2**20:.0f} MiB"
+        print(
+            f"  {row['policy']:<18} B={row['budget']:<6} N={row['output_len']:<6} {text}  ({cost:.0f}s, "
+            f"load {load_1m():.1f})",
+            flush=True,
+        )
+
     rows = []
-    t0 = time.perf_counter()
-    last_cost = 0.0
-    for spec in specs:
-        elapsed = time.perf_counter() - t0
-        if args.time_limit and elapsed + last_cost > args.time_limit:
-            rows.append(_skipped(spec, "skipped (time limit)"))
-            continue
-        if args.threads:
-            spec["threads"] = args.threads
-        tc = time.perf_counter()
-        try:
-            row = run_isolated(spec) if isolate else run_config(spec, model)
-        except Exception as err:  # noqa: BLE001 - a failed config is recorded, the sweep goes on
-            row = _skipped(spec, f"error: {type(err).__name__}: {err}"[:200])
-        last_cost = time.perf_counter() - tc
-        rows.append(row)
-        v = row.get("decode_tok_s")
-        print(f"  {row['policy']:<18} B={spec['budget']:<6} N={spec['output_len']:<6} "
-              f"{(f'{v:9.1f} tok/s' if v else row.get('status'))}  evict {row.get('eviction_share') or 0:.1%}  "
-              f"KV ok={row.get('kv_bytes_equal')}  ({last_cost:.0f}s, load {load_1m():.1f})", flush=True)
+    if schedule == "interleaved":
+        rows = run_interleaved(specs, model, args.repeats, progress=lambda m: print(m, flush=True))
+        for row in rows:
+            report(row, row.get("wall_s") or 0)
+        if args.memory_pass:
+            print("# memory pass: one run per config" + (" in a fresh process" if isolate else ""), flush=True)
+            for spec, row in zip(specs, rows):
+                tc = time.perf_counter()
+                mspec = dict(spec, warmup=0, repeats=1)
+                m = run_isolated(mspec) if isolate else run_config(mspec, model)
+                for k in ("peak_mem_bytes", "peak_delta_bytes", "peak_mem_source"):
+                    row[k] = m.get(k)
+                if m.get("status") == "ok":
+                    row["kv_bytes_equal"] = bool(row.get("kv_bytes_equal")) and bool(m.get("kv_bytes_equal"))
+                else:
+                    row["peak_mem_source"] = f"memory pass: {m.get('status')}"
+                report(row, time.perf_counter() - tc)
+    else:
+        last_cost = 0.0
+        for spec in specs:
+            if args.time_limit and time.perf_counter() - t0 + last_cost > args.time_limit:
+                rows.append(_skipped(spec, "skipped (time limit)"))
+                continue
+            tc = time.perf_counter()
+            try:
+                row = run_isolated(spec) if isolate else run_config(spec, model)
+            except Exception as err:  # noqa: BLE001 - a failed config is recorded, the sweep goes on
+                row = _skipped(spec, f"error: {type(err).__name__}: {err}"[:200])
+            last_cost = time.perf_counter() - tc
+            rows.append(row)
+            report(row, last_cost)
     if args.protocol == "steady":
         rows = add_estimates(rows, args.output_lens)
     add_ratios(rows, args.output_lens)
@@ -662,13 +938,31 @@ def run_benchmark(args) -> list[dict]:
         plot(rows, out / "bench")
     except Exception as err:  # noqa: BLE001 - the plot is a convenience; the CSV is the result
         print(f"plot failed: {err}", file=sys.stderr)
-    print(f"# wrote {out}/bench.csv, bench.png, bench.pdf, machine.json, table.txt", flush=True)
+    print(
+        f"# wrote {out}/bench.csv, bench.png, bench.pdf, machine.json, table.txt ({time.perf_counter() - t0:.0f}s)",
+        flush=True,
+    )
     return rows
 
 
 def _skipped(spec: dict, status: str) -> dict:
-    row = {k: spec.get(k) for k in ("model", "dtype", "device", "protocol", "policy", "budget", "window", "batch",
-                                    "prompt_len", "output_len", "warmup", "repeats")}
+    row = {
+        k: spec.get(k)
+        for k in (
+            "model",
+            "dtype",
+            "device",
+            "protocol",
+            "policy",
+            "budget",
+            "window",
+            "batch",
+            "prompt_len",
+            "output_len",
+            "warmup",
+            "repeats",
+        )
+    }
     if spec.get("probe"):
         row["policy"] = f"{spec['policy']}@{spec['probe']}"
     row.update(kind="?", status=status)

@@ -49,15 +49,22 @@ def merge(prefix: Path) -> dict:
             (prefix / name).write_text((shards[0] / name).read_text())
     shard_metrics = [json.loads((s / "metrics.json").read_text()) for s in shards if (s / "metrics.json").exists()]
     ids = sorted({r["problem_id"] for r in read_jsonl_tolerant(prefix / SAMPLES)})
-    info = {k: shard_metrics[0].get(k) for k in ("policy", "task", "model", "budget", "window", "ratio")} \
-        if shard_metrics else {}
+    info = (
+        {k: shard_metrics[0].get(k) for k in ("policy", "task", "model", "budget", "window", "ratio")}
+        if shard_metrics
+        else {}
+    )
     info["run_dir"] = str(prefix)
     info["shards_merged"] = sorted(present)
     expected = sum(m.get("problems_expected", 0) for m in shard_metrics)
     metrics = compute_metrics(prefix, ids, first["n_samples"], info, [1, 2, 4, 8, 16])
     metrics["problems_expected"] = max(expected, len(ids))
-    metrics["complete"] = bool(metrics.get("complete")) and not missing and len(shard_metrics) == len(shards) and \
-        all(m.get("complete") for m in shard_metrics)
+    metrics["complete"] = (
+        bool(metrics.get("complete"))
+        and not missing
+        and len(shard_metrics) == len(shards)
+        and all(m.get("complete") for m in shard_metrics)
+    )
     if missing:
         metrics["missing_shards"] = missing
     write_json(prefix / "metrics.json", metrics)

@@ -179,11 +179,20 @@ def _exposed_dirs(covered: Sequence[str]) -> list[str]:
     return out
 
 
+def _remove_stale_dirs() -> None:
+    """Remove the temporary directories of harness processes that died without cleaning up (killed mid-run)."""
+    for path in Path(tempfile.gettempdir()).glob("vase-sbx-*-*"):
+        owner = path.name.split("-")[2]
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def isolation_mode() -> str:
     """The isolation level available here, ``"full"`` or ``"basic"`` (probed once by running a tiny program)."""
     global _mode
     with _mode_lock:
         if _mode is None:
+            _remove_stale_dirs()
             _mode = "basic"
             if os.geteuid() == 0:
                 probe = _run("import socket, os\nprint(os.getuid())", mode="full", limits=SandboxLimits(timeout_s=10))
@@ -409,7 +418,7 @@ def _run(
 ) -> SandboxResult:
     start = time.monotonic()
     uid = _acquire_uid() if mode == "full" else None
-    base = Path(tempfile.mkdtemp(prefix="vase-sbx-"))
+    base = Path(tempfile.mkdtemp(prefix=f"vase-sbx-{os.getpid()}-"))
     proc = None
     try:
         all_files = {"main.py": code, **dict(files or {})}

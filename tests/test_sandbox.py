@@ -8,7 +8,6 @@ private ``/proc``) are checked only in ``full`` isolation mode; the others run i
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -315,6 +314,7 @@ def test_sandbox_dies_with_the_harness() -> None:
     while _pids_with_arg(tag) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _pids_with_arg(tag) == []
-    for plan in Path(tempfile.gettempdir()).glob("vase-sbx-*/plan.json"):  # the killed harness could not clean up
-        if tag in plan.read_text():
-            shutil.rmtree(plan.parent, ignore_errors=True)
+    leftovers = list(Path(tempfile.gettempdir()).glob(f"vase-sbx-{harness.pid}-*"))
+    assert leftovers  # the killed harness could not clean up its temporary directory...
+    sandbox._remove_stale_dirs()
+    assert not any(p.exists() for p in leftovers)  # ...which the next harness removes

@@ -45,7 +45,7 @@ import pandas as pd
 import yaml
 from matplotlib.figure import Figure
 
-from vase.results import BATCHES, SAMPLES, read_jsonl_tolerant
+from vase.results import BATCHES, SAMPLES, read_jsonl_tolerant, stable_hash
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,8 @@ BATCH_COLUMNS = (
     "held_tokens",
 )
 MISSING = "–"
+# protocol.json keys that legitimately differ between runs pooled into one table cell
+_PER_RUN_PROTOCOL_KEYS = ("policy", "budget", "window", "seed", "n_samples")
 
 
 # ------------------------------------------------------------------------------------------------------ loading
@@ -306,6 +308,7 @@ def load_run(run_dir: str | Path, run_id: int = 0) -> tuple[dict, pd.DataFrame, 
         "ratio": config.get("ratio", m.get("ratio")),
         "seed": config.get("seed", _get(protocol, "seed")),
         "group": _get(config, "logger.group"),
+        "setting": stable_hash({k: v for k, v in (protocol or {}).items() if k not in _PER_RUN_PROTOCOL_KEYS}),
         "complete": complete,
         "source": SAMPLES if sample_rows else ("metrics.json" if metrics is not None else "none"),
         "problems": int(samples["problem_id"].nunique()) if n else int(m.get("problems") or 0),
@@ -557,6 +560,12 @@ def summarize(tree: Tree) -> pd.DataFrame:
                     len(ids - with_samples),
                 )
             m = _group_metrics_from_samples(s)
+        if grp["setting"].nunique() > 1:
+            logger.warning(
+                "%s: pooled runs differ in model/task/generation settings (protocol.json): %s",
+                "/".join(map(str, key)),
+                ", ".join(grp["run_dir"]),
+            )
         first = grp.iloc[0]
         budgets = sorted({int(b) for b in grp["budget"].dropna()})
         row = {
@@ -602,10 +611,14 @@ def operating_points(summary: pd.DataFrame, model: str) -> list[str]:
 
 
 def _at_op(summary: pd.DataFrame, model: str, op: str) -> pd.DataFrame:
-    """``model``'s rows at operating point ``op``, plus its full-cache rows of the same tasks."""
+    """``model``'s rows at operating point ``op``, plus its full-cache rows of the same tasks (of every paper task
+    when the operating point has one, so that a missing run shows as missing and the full cache's average exists)."""
     sub = summary[summary["model"] == model]
     at = sub[sub["op"] == op]
-    full = sub[(sub["op_kind"] == "full") & (sub["task"].isin(at["task"]) | (op == "full"))]
+    tasks = set(at["task"])
+    if tasks & set(PAPER_TASKS):
+        tasks |= set(PAPER_TASKS)
+    full = sub[(sub["op_kind"] == "full") & (sub["task"].isin(tasks) | (op == "full"))]
     out = pd.concat([full, at]) if op != "full" else full
     order = sorted(
         range(len(out)), key=lambda i: (task_sort_key(out["task"].iloc[i]), policy_sort_key(out["policy"].iloc[i]))
@@ -661,7 +674,8 @@ def accuracy_table(summary: pd.DataFrame, model: str, op: str) -> Table:
     """Policy × task pass@1 (%) ± SE at one operating point, the full cache first, the five-task average.
 
     Columns of ``data``: per task ``<task>`` and ``<task>_se`` (the paper's tasks first, in its order), then
-    ``avg``/``avg_se`` (when the table has all five paper tasks), then the other tasks. Incomplete entries are marked † in the display.
+    ``avg``/``avg_se`` (when the table has all five paper tasks), then the other tasks. Incomplete entries are
+    marked † in the display.
     """
     sub = _at_op(summary, model, op)
     tasks = sorted(sub["task"].unique(), key=task_sort_key)
@@ -816,6 +830,7 @@ def summary_table(summary: pd.DataFrame) -> Table:
         "model",
         "task",
         "method",
+        "op",
         "budget",
         "runs",
         "problems",
@@ -831,7 +846,7 @@ def summary_table(summary: pd.DataFrame) -> Table:
     display = data[show].copy()
     display["method"] = [m + ("" if c else " †") for m, c in zip(data["method"], data["complete"])]
     display["budget"] = display["budget"].map(lambda x: _fmt(x, 0))
-    for c in show[7:]:
+    for c in show[show.index("accuracy") :]:
         display[c] = display[c].map(lambda x: _fmt(x, 2))
     display = display.astype(str)
     notes = ["† incomplete run."] if not data["complete"].all() else []

