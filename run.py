@@ -64,10 +64,31 @@ def main() -> None:
 
 
 def print_summary(metrics: dict) -> None:
-    keys = ["task", "model", "policy", "budget", "problems", "samples", "accuracy", "accuracy_stderr", "pass@1",
-            "answered_rate", "loop_rate", "garbage_rate", "truncation_rate", "mean_output_tokens", "compression_ratio",
-            "kv_cache_bytes", "kv_cache_bytes_full", "peak_memory_bytes", "decode_tokens_per_second", "evictions",
-            "eviction_seconds", "attended_tokens", "run_dir"]
+    keys = [
+        "task",
+        "model",
+        "policy",
+        "budget",
+        "problems",
+        "samples",
+        "accuracy",
+        "accuracy_stderr",
+        "pass@1",
+        "answered_rate",
+        "loop_rate",
+        "garbage_rate",
+        "truncation_rate",
+        "mean_output_tokens",
+        "compression_ratio",
+        "kv_cache_bytes",
+        "kv_cache_bytes_full",
+        "peak_memory_bytes",
+        "decode_tokens_per_second",
+        "evictions",
+        "eviction_seconds",
+        "attended_tokens",
+        "run_dir",
+    ]
     width = max(len(k) for k in keys)
     lines = ["", "=" * 60]
     for k in keys:

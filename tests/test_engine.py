@@ -40,8 +40,16 @@ def test_logits_equal_unmodified_model_when_budget_exceeds_sequence(arch, backen
     model = tiny_model(arch, attn_implementation=backend)
     prompt = _prompt()
     ours: list[torch.Tensor] = []
-    out = generate(model, prompt, policy, n_samples=1, sampling=SamplingConfig(temperature=0), max_new_tokens=40,
-                   attn_backend=backend, on_logits=lambda step, lg: ours.append(lg[0].clone()))
+    out = generate(
+        model,
+        prompt,
+        policy,
+        n_samples=1,
+        sampling=SamplingConfig(temperature=0),
+        max_new_tokens=40,
+        attn_backend=backend,
+        on_logits=lambda step, lg: ours.append(lg[0].clone()),
+    )
     assert out.stats["evictions"] == 0
     ref = _reference_logits(model, prompt, out.tokens[0])
     assert len(ours) == len(ref) == 40
@@ -49,7 +57,7 @@ def test_logits_equal_unmodified_model_when_budget_exceeds_sequence(arch, backen
     assert diff <= 1e-5, diff
     # and greedy decoding agrees with transformers' own generate
     gen = model.generate(prompt.view(1, -1), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert gen[0, prompt.numel():].tolist() == out.tokens[0]
+    assert gen[0, prompt.numel() :].tolist() == out.tokens[0]
 
 
 # ---- eviction == masking ------------------------------------------------------------------------------------
@@ -85,10 +93,18 @@ def test_eviction_equals_masking(arch):
         snapshots[info.step] = [layer.positions[: layer.n_rows, :, : layer.length].clone() for layer in cache.layers]
 
     out = generate(
-        model, prompt, RandomEviction(budget=budget, window=window), n_samples=rows,
-        sampling=SamplingConfig(temperature=1.0), max_new_tokens=new, seed=3, ignore_eos=True,
-        on_cache=lambda c: holder.__setitem__("cache", c), on_step=on_step,
-        on_logits=lambda s, lg: logits.__setitem__(s, lg.clone()), check_policy_output=True,
+        model,
+        prompt,
+        RandomEviction(budget=budget, window=window),
+        n_samples=rows,
+        sampling=SamplingConfig(temperature=1.0),
+        max_new_tokens=new,
+        seed=3,
+        ignore_eos=True,
+        on_cache=lambda c: holder.__setitem__("cache", c),
+        on_step=on_step,
+        on_logits=lambda s, lg: logits.__setitem__(s, lg.clone()),
+        check_policy_output=True,
     )
     assert out.stats["evictions"] >= 3 * model.config.num_hidden_layers
     p = prompt.numel()
@@ -153,8 +169,16 @@ def test_static_storage_never_reallocated_and_bounded():
             assert layer.keys.shape[1] == model.config.num_key_value_heads
             assert layer.keys.shape[2] == policy.budget + policy.window
 
-    out = generate(model, _prompt(20), policy, n_samples=3, max_new_tokens=200, ignore_eos=True,
-                   on_cache=lambda c: holder.__setitem__("cache", c), on_step=on_step)
+    out = generate(
+        model,
+        _prompt(20),
+        policy,
+        n_samples=3,
+        max_new_tokens=200,
+        ignore_eos=True,
+        on_cache=lambda c: holder.__setitem__("cache", c),
+        on_step=on_step,
+    )
     assert out.stats["evictions"] > 10
     assert len(ptrs) == 1
     assert max(lengths) <= policy.budget + policy.window
@@ -172,8 +196,16 @@ def test_finished_rows_leave_the_batch_without_reallocation():
 
     prompt = _prompt(10)
     # every token id < 128 ends a sample: rows finish at different steps
-    out = generate(model, prompt, Streaming(budget=16, window=8), n_samples=4, max_new_tokens=60,
-                   eos_token_ids=range(0, 128), on_cache=lambda c: holder.__setitem__("cache", c), on_step=on_step)
+    out = generate(
+        model,
+        prompt,
+        Streaming(budget=16, window=8),
+        n_samples=4,
+        max_new_tokens=60,
+        eos_token_ids=range(0, 128),
+        on_cache=lambda c: holder.__setitem__("cache", c),
+        on_step=on_step,
+    )
     assert all(r == "eos" for r in out.finish_reasons) or "length" in out.finish_reasons
     assert active == sorted(active, reverse=True) and len(set(active)) > 1
     assert len(ptrs) == 1
@@ -211,8 +243,9 @@ def test_stop_strings_and_max_length():
     assert [len(t) for t in out.tokens] == [28, 28] and out.finish_reasons == ["length", "length"]
     text = CharTok().decode(out.tokens[0])
     stop = text[10:12]
-    out2 = generate(model, prompt, FullCache(), n_samples=2, max_length=40, seed=1, stop_strings=[stop],
-                    tokenizer=CharTok())
+    out2 = generate(
+        model, prompt, FullCache(), n_samples=2, max_length=40, seed=1, stop_strings=[stop], tokenizer=CharTok()
+    )
     assert out2.finish_reasons[0] == "stop"
     assert CharTok().decode(out2.tokens[0]).endswith(stop) and len(out2.tokens[0]) <= 12
 
@@ -249,14 +282,17 @@ def test_prompt_longer_than_max_length(forbidden_model):
         generate(forbidden_model, _prompt(50), FullCache(), max_length=50)
 
 
-@pytest.mark.parametrize("kwargs, setting", [
-    (dict(n_samples=0, max_new_tokens=5), "n_samples"),
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(), "max_length"),
-    (dict(max_new_tokens=5, attn_backend="flash_attn"), "attn_backend"),
-    (dict(max_new_tokens=5, attn_backend="nope"), "attn_backend"),
-    (dict(max_new_tokens=5, stop_strings=["x"]), "stop_strings"),
-])
+@pytest.mark.parametrize(
+    "kwargs, setting",
+    [
+        (dict(n_samples=0, max_new_tokens=5), "n_samples"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(), "max_length"),
+        (dict(max_new_tokens=5, attn_backend="flash_attn"), "attn_backend"),
+        (dict(max_new_tokens=5, attn_backend="nope"), "attn_backend"),
+        (dict(max_new_tokens=5, stop_strings=["x"]), "stop_strings"),
+    ],
+)
 def test_bad_generation_settings(forbidden_model, kwargs, setting):
     with pytest.raises(ValueError, match=setting):
         generate(forbidden_model, _prompt(8), FullCache(), **kwargs)
@@ -265,8 +301,14 @@ def test_bad_generation_settings(forbidden_model, kwargs, setting):
 def test_unsupported_architecture():
     from transformers import MistralConfig, MistralForCausalLM
 
-    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                        num_attention_heads=2, num_key_value_heads=1)
+    cfg = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     model = MistralForCausalLM(cfg).eval()
     model.register_forward_pre_hook(lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
     with pytest.raises(ValueError, match="architecture 'mistral' is not supported"):

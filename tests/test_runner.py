@@ -20,11 +20,24 @@ from vase.runner import held_at_end, prepare, resolve_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
-       "TOKENIZERS_PARALLELISM": "false"}
+ENV = {
+    **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "WANDB_MODE": "disabled",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 # A tiny random model on gsm_symbolic: one problem, two samples, a short output cap, eviction every 16 steps.
-TINY = ["model=tiny", "logger=none", "limit=1", "n_samples=2", "budget=32", "window=16",
-        "generation.max_length=200", "progress=false"]
+TINY = [
+    "model=tiny",
+    "logger=none",
+    "limit=1",
+    "n_samples=2",
+    "budget=32",
+    "window=16",
+    "generation.max_length=200",
+    "progress=false",
+]
 
 
 def _compose(overrides: list[str]):
@@ -78,10 +91,18 @@ def test_budget_from_ratio_and_reference():
     assert prepare(cfg).policy.budget == 2048
 
 
-@pytest.mark.parametrize("override, setting", [
-    ("ratio=0", "ratio"), ("ratio=-2", "ratio"), ("budget=16", "budget"), ("n_samples=0", "n_samples"),
-    ("limit=-1", "limit"), ("window=0", "window"), ("budget=100", "policy.budget"),
-])
+@pytest.mark.parametrize(
+    "override, setting",
+    [
+        ("ratio=0", "ratio"),
+        ("ratio=-2", "ratio"),
+        ("budget=16", "budget"),
+        ("n_samples=0", "n_samples"),
+        ("limit=-1", "limit"),
+        ("window=0", "window"),
+        ("budget=100", "policy.budget"),
+    ],
+)
 def test_invalid_numbers_fail_before_anything_loads(override, setting):
     cfg = _compose(["model=tiny", "window=16", override])
     with pytest.raises(ValueError, match=setting):
@@ -89,13 +110,20 @@ def test_invalid_numbers_fail_before_anything_loads(override, setting):
 
 
 def test_cli_errors_are_one_line_and_list_valid_names(tmp_path):
-    r = subprocess.run([sys.executable, "run.py", "policy=vase_dkvv"], cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "run.py", "policy=vase_dkvv"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2
     lines = [x for x in r.stderr.strip().splitlines() if x]
     assert len(lines) == 1 and "did you mean vase_dkv" in lines[0] and "snapkv" in lines[0]
-    r = subprocess.run([sys.executable, "run.py", *TINY, "ratio=0", f"results_dir={tmp_path}"], cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "run.py", *TINY, "ratio=0", f"results_dir={tmp_path}"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2
     errors = [x for x in r.stderr.splitlines() if "error" in x.lower()]
     assert len(errors) == 1 and "ratio: must be > 0" in errors[0]
@@ -137,16 +165,38 @@ def _run_dirs(root: Path) -> list[Path]:
 
 
 def test_run_writes_a_complete_result_directory(tmp_path):
-    r = subprocess.run([sys.executable, "run.py", *TINY, f"results_dir={tmp_path}"], cwd=ROOT, env=ENV,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "run.py", *TINY, f"results_dir={tmp_path}"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     (run_dir,) = _run_dirs(tmp_path)
     for name in ("config.yaml", "protocol.json", "manifest.json", "samples.jsonl", "batches.jsonl", "metrics.json"):
         assert (run_dir / name).exists(), name
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    for key in ("accuracy", "pass@1", "pass@2", "answered_rate", "loop_rate", "garbage_rate", "truncation_rate",
-                "mean_output_tokens", "kv_cache_bytes", "kv_cache_bytes_full", "peak_memory_bytes", "prefill_seconds",
-                "decode_tokens_per_second", "evictions", "eviction_seconds", "budget", "compression_ratio"):
+    for key in (
+        "accuracy",
+        "pass@1",
+        "pass@2",
+        "answered_rate",
+        "loop_rate",
+        "garbage_rate",
+        "truncation_rate",
+        "mean_output_tokens",
+        "kv_cache_bytes",
+        "kv_cache_bytes_full",
+        "peak_memory_bytes",
+        "prefill_seconds",
+        "decode_tokens_per_second",
+        "evictions",
+        "eviction_seconds",
+        "budget",
+        "compression_ratio",
+    ):
         assert key in metrics, key
     assert metrics["complete"] and metrics["samples"] == 2 and metrics["budget"] == 32
     assert metrics["kv_cache_bytes"] < metrics["kv_cache_bytes_full"]
@@ -157,16 +207,23 @@ def test_run_writes_a_complete_result_directory(tmp_path):
     assert all(r["budget"] == 32 and r["compression_ratio"] >= 1 for r in rows)
     assert "accuracy" in r.stdout  # the summary table
     # rerunning the same command resumes: nothing is decoded again
-    r2 = subprocess.run([sys.executable, "run.py", *TINY, f"results_dir={tmp_path}"], cwd=ROOT, env=ENV,
-                        capture_output=True, text=True, timeout=600)
+    r2 = subprocess.run(
+        [sys.executable, "run.py", *TINY, f"results_dir={tmp_path}"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r2.returncode == 0 and "0 problems to decode" in r2.stderr
     assert read_jsonl_tolerant(run_dir / "samples.jsonl") == rows
 
 
 def test_sigkill_midway_then_relaunch_gives_every_sample_once(tmp_path):
     args = [sys.executable, "run.py", *TINY, "limit=3", f"results_dir={tmp_path}"]
-    proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 600
     samples = None
     while time.time() < deadline:
@@ -190,8 +247,14 @@ def test_sigkill_midway_then_relaunch_gives_every_sample_once(tmp_path):
 
 
 def test_multirun_of_two_policies_writes_two_result_directories(tmp_path):
-    r = subprocess.run([sys.executable, "run.py", "-m", "sweep=smoke", f"results_dir={tmp_path}", "progress=false"],
-                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "run.py", "-m", "sweep=smoke", f"results_dir={tmp_path}", "progress=false"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     dirs = _run_dirs(tmp_path)
     assert len(dirs) == 2
@@ -202,9 +265,22 @@ def test_multirun_of_two_policies_writes_two_result_directories(tmp_path):
 
 @pytest.mark.slow
 def test_submitit_local_launcher_runs_a_two_job_sweep(tmp_path):
-    r = subprocess.run([sys.executable, "run.py", "-m", "sweep=smoke", "hydra/launcher=local",
-                        f"results_dir={tmp_path}", "progress=false"], cwd=ROOT, env=ENV, capture_output=True,
-                       text=True, timeout=1200)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "run.py",
+            "-m",
+            "sweep=smoke",
+            "hydra/launcher=local",
+            f"results_dir={tmp_path}",
+            "progress=false",
+        ],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     dirs = _run_dirs(tmp_path)
     assert len(dirs) == 2 and all((d / "metrics.json").exists() for d in dirs)
@@ -212,15 +288,21 @@ def test_submitit_local_launcher_runs_a_two_job_sweep(tmp_path):
 
 def test_wandb_offline_run_is_accepted_by_wandb_sync(tmp_path):
     env = {**ENV, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
-    args = [sys.executable, "run.py", *[a for a in TINY if a != "logger=none"], "logger=wandb",
-            f"results_dir={tmp_path}"]
+    args = [
+        sys.executable,
+        "run.py",
+        *[a for a in TINY if a != "logger=none"],
+        "logger=wandb",
+        f"results_dir={tmp_path}",
+    ]
     r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     (run_dir,) = _run_dirs(tmp_path)
     offline = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and list(offline[0].glob("*.wandb"))
-    sync = subprocess.run(["wandb", "sync", "--dry-run", str(offline[0])], env=env, capture_output=True, text=True,
-                          timeout=120)
+    sync = subprocess.run(
+        ["wandb", "sync", "--dry-run", str(offline[0])], env=env, capture_output=True, text=True, timeout=120
+    )
     assert sync.returncode == 0, sync.stdout + sync.stderr
 
 
@@ -230,8 +312,7 @@ def test_sharded_runs_merge_into_one(tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
     from merge_shards import merge
 
-    base = [a for a in TINY if not a.startswith("limit=")] + ["limit=2", "task.num_shards=2",
-                                                                f"results_dir={tmp_path}"]
+    base = [a for a in TINY if not a.startswith("limit=")] + ["limit=2", "task.num_shards=2", f"results_dir={tmp_path}"]
     metrics = [run(_compose(base + [f"task.shard={i}"]), progress=False) for i in range(2)]
     assert all(m["complete"] and m["problems"] == 1 for m in metrics)
     prefix = Path(metrics[0]["run_dir"].rsplit("-shard", 1)[0])

@@ -91,8 +91,13 @@ def eager_attention(
 def _sdpa(query, key, value, scaling, causal, mask):
     groups = query.shape[1] // key.shape[1]
     return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, is_causal=causal and query.shape[2] > 1 and mask is None,
-        scale=scaling, enable_gqa=groups > 1,
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        is_causal=causal and query.shape[2] > 1 and mask is None,
+        scale=scaling,
+        enable_gqa=groups > 1,
     )
 
 
@@ -132,8 +137,9 @@ def vase_attention_forward(
     """
     cache = kwargs.get("vase_cache")
     if cache is None:  # an ordinary cache (or none): behave exactly like SDPA
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     layer = cache.layers[module.layer_idx]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     t = query.shape[2]

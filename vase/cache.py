@@ -197,9 +197,7 @@ class VaseLayer(CacheLayerMixin):
             self.attended = count if self.attended is None else self.attended + count
         elif query.shape[2] == 1:
             count = self.n_rows * self.keys.shape[1] * self.length
-            self.attended = (
-                torch.tensor(count, device=query.device) if self.attended is None else self.attended + count
-            )
+            self.attended = torch.tensor(count, device=query.device) if self.attended is None else self.attended + count
         return mask
 
     # ---- eviction ------------------------------------------------------------------------------------------

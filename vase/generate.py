@@ -243,14 +243,26 @@ def generate(
     p = prompt.numel()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     geometry = CacheGeometry(
-        num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, num_q_heads=cfg.num_attention_heads,
-        head_dim=head_dim, rows=n_samples, prompt_len=p, capacity=cache_capacity(policy, p, limit),
-        dtype=next(model.parameters()).dtype, device=device,
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=cfg.num_key_value_heads,
+        num_q_heads=cfg.num_attention_heads,
+        head_dim=head_dim,
+        rows=n_samples,
+        prompt_len=p,
+        capacity=cache_capacity(policy, p, limit),
+        dtype=next(model.parameters()).dtype,
+        device=device,
     )
     tok_gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
     evict_gens = [torch.Generator(device=device).manual_seed(s ^ 0x5EED_CAFE) for s in seeds]
-    cache = VaseCache(geometry, policy, scaling=head_dim**-0.5, evict_generators=evict_gens, attn_backend=backend,
-                      check_policy_output=check_policy_output)
+    cache = VaseCache(
+        geometry,
+        policy,
+        scaling=head_dim**-0.5,
+        evict_generators=evict_gens,
+        attn_backend=backend,
+        check_policy_output=check_policy_output,
+    )
     if on_cache is not None:
         on_cache(cache)
 
@@ -265,7 +277,10 @@ def generate(
         logits = model(
             input_ids=prompt.view(1, -1).to(device),
             position_ids=torch.arange(p, device=device).view(1, -1),
-            cache=cache, use_cache=True, logits_to_keep=1, vase_cache=cache,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            vase_cache=cache,
         ).logits[:, -1]
         cache.advance(p)
         if on_logits is not None:
@@ -319,7 +334,9 @@ def generate(
             logits = model(
                 input_ids=next_tok.view(-1, 1),
                 position_ids=positions[step - 1 : step].view(1, 1),
-                cache=cache, use_cache=True, vase_cache=cache,
+                cache=cache,
+                use_cache=True,
+                vase_cache=cache,
             ).logits[:, -1]
             cache.advance(1)
             if on_logits is not None:
@@ -329,14 +346,24 @@ def generate(
             cache.evict_if_due()
             next_tok = sample_tokens(logits, sampling, [tok_gens[r] for r in rows])
             if on_step is not None:
-                on_step(StepInfo(step, len(rows), list(rows), next_tok, cache.length, cache.evictions(), cache.eviction_seconds(),
-                                 time.perf_counter() - t_dec))
+                on_step(
+                    StepInfo(
+                        step,
+                        len(rows),
+                        list(rows),
+                        next_tok,
+                        cache.length,
+                        cache.evictions(),
+                        cache.eviction_seconds(),
+                        time.perf_counter() - t_dec,
+                    )
+                )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         decode_seconds = time.perf_counter() - t_dec
 
     for r in range(n_samples):
-        del out_tokens[r][finish_step[r]:]
+        del out_tokens[r][finish_step[r] :]
     attended = cache.attended_tokens()
     denom = row_steps * cfg.num_key_value_heads * cfg.num_hidden_layers
     stats = {
@@ -360,5 +387,5 @@ def generate(
 
 def _hits_stop(tokenizer, tokens: list[int], stop_strings: Sequence[str], max_stop: int) -> bool:
     """Whether the decoded tail of ``tokens`` contains a stop string (decodes only the last few tokens)."""
-    tail = tokenizer.decode(tokens[-(max_stop + 8):], skip_special_tokens=False)
+    tail = tokenizer.decode(tokens[-(max_stop + 8) :], skip_special_tokens=False)
     return any(s in tail for s in stop_strings)

@@ -27,8 +27,14 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama")
 
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-          "float32": torch.float32, "fp32": torch.float32}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+}
 
 
 @dataclass(frozen=True)
@@ -117,8 +123,10 @@ def assemble_gguf(name: str, dest: Path) -> Path:
                     out.write(chunk)
     if spec.sha256 is not None and digest.hexdigest() != spec.sha256:
         tmp.unlink()
-        raise ValueError(f"model {name}: assembled GGUF sha256 {digest.hexdigest()} != expected {spec.sha256}; "
-                         f"reinstall the wheels: {spec.install}")
+        raise ValueError(
+            f"model {name}: assembled GGUF sha256 {digest.hexdigest()} != expected {spec.sha256}; "
+            f"reinstall the wheels: {spec.install}"
+        )
     tmp.replace(dest)
     return dest
 
@@ -135,7 +143,9 @@ def convert_offline_model(name: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         gguf = assemble_gguf(name, Path(tmp) / f"{name}.gguf")
         model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
+            gguf.parent,
+            gguf_file=gguf.name,
+            dtype=torch.bfloat16,
             quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),  # dense weights, serialisable
         )
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -181,8 +191,16 @@ def load_model(
 
 
 TINY_DEFAULTS = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, initializer_range=0.3, tie_word_embeddings=False,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=4096,
+    initializer_range=0.3,
+    tie_word_embeddings=False,
 )
 
 
@@ -200,8 +218,13 @@ def tiny_config(arch: str = "qwen3", **overrides):
     return classes[arch](**kwargs)
 
 
-def tiny_model(arch: str = "qwen3", seed: int = 0, dtype: str | torch.dtype = "float32", attn_implementation: str = "sdpa",
-               **overrides):
+def tiny_model(
+    arch: str = "qwen3",
+    seed: int = 0,
+    dtype: str | torch.dtype = "float32",
+    attn_implementation: str = "sdpa",
+    **overrides,
+):
     """A randomly initialised model (eval mode) of architecture ``arch``; deterministic in ``seed``."""
     from transformers import AutoModelForCausalLM
 

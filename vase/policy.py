@@ -119,7 +119,11 @@ class Policy:
         """Raise one ``ValueError`` naming the bad field. Subclasses extend it (call ``super().validate()``)."""
         if self.kind == "none":
             return
-        _check(isinstance(self.window, int) and self.window >= 1, "policy.window", f"must be an integer >= 1, got {self.window!r}")
+        _check(
+            isinstance(self.window, int) and self.window >= 1,
+            "policy.window",
+            f"must be an integer >= 1, got {self.window!r}",
+        )
         _check(
             isinstance(self.budget, int) and self.budget > self.window,
             "policy.budget",
@@ -158,7 +162,11 @@ class EvictionPolicy(Policy):
 
     def validate(self) -> None:
         super().validate()
-        _check(isinstance(self.sinks, int) and self.sinks >= 0, "policy.sinks", f"must be an integer >= 0, got {self.sinks!r}")
+        _check(
+            isinstance(self.sinks, int) and self.sinks >= 0,
+            "policy.sinks",
+            f"must be an integer >= 0, got {self.sinks!r}",
+        )
         _check(
             self.sinks <= self.n_keep,
             "policy.sinks",

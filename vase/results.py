@@ -143,8 +143,12 @@ def device_info() -> dict[str, Any]:
     """The machine: platform, CPU count, and the CUDA device when there is one."""
     import torch
 
-    info: dict[str, Any] = {"platform": platform.platform(), "python": platform.python_version(),
-                            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda

@@ -190,8 +190,9 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     problems = prep.task.load()
     todo = [(p, [i for i in range(prep.n_samples) if (p.id, i) not in done]) for p in problems]
     todo = [(p, missing) for p, missing in todo if missing]
-    logger.info("run dir %s: %d problems, %d samples done, %d problems to decode", run_dir, len(problems),
-                len(done), len(todo))
+    logger.info(
+        "run dir %s: %d problems, %d samples done, %d problems to decode", run_dir, len(problems), len(done), len(todo)
+    )
 
     run_logger = build(cfg.logger, "logger")
     run_id = stable_hash({"dir": str(run_dir.resolve()), "protocol": prep.protocol}, 16)
@@ -199,8 +200,15 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     try:
         if todo:
             _decode(prep, todo, done_rows, run_dir, run_logger, progress)
-        info = {"policy": prep.policy.name, "task": prep.task.name, "model": prep.model_spec.key,
-                "budget": cfg.budget, "window": cfg.window, "ratio": cfg.ratio, "run_dir": str(run_dir)}
+        info = {
+            "policy": prep.policy.name,
+            "task": prep.task.name,
+            "model": prep.model_spec.key,
+            "budget": cfg.budget,
+            "window": cfg.window,
+            "ratio": cfg.ratio,
+            "run_dir": str(run_dir),
+        }
         metrics = compute_metrics(run_dir, [p.id for p in problems], prep.n_samples, info, cfg.pass_k)
         write_json(run_dir / "metrics.json", metrics)
         run_logger.finish(metrics=metrics, run_dir=run_dir)
@@ -219,15 +227,30 @@ def _decode(prep: Prepared, todo, done_rows, run_dir: Path, run_logger, progress
     logger.info("model %s loaded in %.1f s", prep.model_spec.name, time.perf_counter() - t_load)
     device = next(model.parameters()).device
     stop = eos_ids(model, tokenizer)
-    write_json(run_dir / "manifest.json", {
-        "git_sha": git_sha(), "libraries": library_versions(), "device": device_info(),
-        "model": {"name": prep.model_spec.name, "revision": prep.model_spec.revision,
-                  "dtype": str(next(model.parameters()).dtype), "attn_backend": cfg.generation.attn_backend},
-        "dataset": prep.task.describe() if hasattr(prep.task, "describe") else {"name": prep.task.name},
-        "prompt_template": getattr(tokenizer, "chat_template", None), "thinking": prep.thinking,
-        "sampling": asdict(prep.sampling), "max_length": prep.max_length, "seed": cfg.seed,
-        "eos_token_ids": stop, "budget": cfg.budget, "window": cfg.window, "policy": prep.policy.describe(),
-    })
+    write_json(
+        run_dir / "manifest.json",
+        {
+            "git_sha": git_sha(),
+            "libraries": library_versions(),
+            "device": device_info(),
+            "model": {
+                "name": prep.model_spec.name,
+                "revision": prep.model_spec.revision,
+                "dtype": str(next(model.parameters()).dtype),
+                "attn_backend": cfg.generation.attn_backend,
+            },
+            "dataset": prep.task.describe() if hasattr(prep.task, "describe") else {"name": prep.task.name},
+            "prompt_template": getattr(tokenizer, "chat_template", None),
+            "thinking": prep.thinking,
+            "sampling": asdict(prep.sampling),
+            "max_length": prep.max_length,
+            "seed": cfg.seed,
+            "eos_token_ids": stop,
+            "budget": cfg.budget,
+            "window": cfg.window,
+            "policy": prep.policy.describe(),
+        },
+    )
     correct_so_far = [bool(r["correct"]) for r in done_rows]
     tokens_total, seconds_total = 0, 0.0
     bar = tqdm(todo, desc=f"{prep.task.name}/{prep.policy.name}", unit="problem", disable=not progress)
@@ -236,8 +259,15 @@ def _decode(prep: Prepared, todo, done_rows, run_dir: Path, run_logger, progress
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         seeds = sample_seeds(problem_seed(cfg.seed, problem.id), prep.n_samples)
         out = generate(
-            model, ids, prep.policy, n_samples=len(missing), sampling=prep.sampling, max_length=prep.max_length,
-            eos_token_ids=stop, seeds=[seeds[i] for i in missing], attn_backend=cfg.generation.attn_backend,
+            model,
+            ids,
+            prep.policy,
+            n_samples=len(missing),
+            sampling=prep.sampling,
+            max_length=prep.max_length,
+            eos_token_ids=stop,
+            seeds=[seeds[i] for i in missing],
+            attn_backend=cfg.generation.attn_backend,
             sync_every=cfg.generation.sync_every,
         )
         texts = [tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
@@ -250,28 +280,55 @@ def _decode(prep: Prepared, todo, done_rows, run_dir: Path, run_logger, progress
             finished = out.finish_reasons[j] != "length"
             total = p_len + n_tok
             held = held_at_end(total, p_len, cfg.budget, cfg.window, prep.policy.kind == "eviction")
-            rows.append({
-                "problem_id": problem.id, "sample": i, "seed": seeds[i], "output": texts[j],
-                "extracted": grades[j].extracted, "correct": bool(grades[j].correct),
-                "truncated": bool(grades[j].truncated), "grade_detail": grades[j].detail,
-                "loop_class": classify_output(texts[j], finished, prep.thinking),
-                "finish_reason": out.finish_reasons[j], "prompt_tokens": p_len, "output_tokens": n_tok,
-                "budget": cfg.budget, "held_tokens_end": held, "compression_ratio": total / held,
-                "prefill_seconds": st["prefill_seconds"], "batch_decode_seconds": st["decode_seconds"],
-                "meta": problem.meta,
-            })
+            rows.append(
+                {
+                    "problem_id": problem.id,
+                    "sample": i,
+                    "seed": seeds[i],
+                    "output": texts[j],
+                    "extracted": grades[j].extracted,
+                    "correct": bool(grades[j].correct),
+                    "truncated": bool(grades[j].truncated),
+                    "grade_detail": grades[j].detail,
+                    "loop_class": classify_output(texts[j], finished, prep.thinking),
+                    "finish_reason": out.finish_reasons[j],
+                    "prompt_tokens": p_len,
+                    "output_tokens": n_tok,
+                    "budget": cfg.budget,
+                    "held_tokens_end": held,
+                    "compression_ratio": total / held,
+                    "prefill_seconds": st["prefill_seconds"],
+                    "batch_decode_seconds": st["decode_seconds"],
+                    "meta": problem.meta,
+                }
+            )
         itemsize = next(model.parameters()).element_size()
         mc = model.config
         head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        full_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * head_dim * itemsize * len(missing) * (
-            p_len + max(len(t) for t in out.tokens))
+        full_bytes = (
+            2
+            * mc.num_hidden_layers
+            * mc.num_key_value_heads
+            * head_dim
+            * itemsize
+            * len(missing)
+            * (p_len + max(len(t) for t in out.tokens))
+        )
         batch = {
-            "problem_id": problem.id, "samples": missing, "prompt_tokens": p_len,
-            "output_tokens": st["decode_tokens"], "prefill_seconds": st["prefill_seconds"],
-            "decode_seconds": st["decode_seconds"], "evictions": st["evictions"],
-            "eviction_seconds": st["eviction_seconds"], "kv_cache_bytes": st["kv_cache_bytes"],
-            "kv_cache_bytes_full": full_bytes, "aux_bytes": st["aux_bytes"], "attended_tokens": st["attended_tokens"],
-            "held_tokens": st["held_tokens"], "peak_memory_bytes": peak_memory_bytes(device),
+            "problem_id": problem.id,
+            "samples": missing,
+            "prompt_tokens": p_len,
+            "output_tokens": st["decode_tokens"],
+            "prefill_seconds": st["prefill_seconds"],
+            "decode_seconds": st["decode_seconds"],
+            "evictions": st["evictions"],
+            "eviction_seconds": st["eviction_seconds"],
+            "kv_cache_bytes": st["kv_cache_bytes"],
+            "kv_cache_bytes_full": full_bytes,
+            "aux_bytes": st["aux_bytes"],
+            "attended_tokens": st["attended_tokens"],
+            "held_tokens": st["held_tokens"],
+            "peak_memory_bytes": peak_memory_bytes(device),
             "attn_backend": st["attn_backend"],
         }
         append_jsonl(run_dir / BATCHES, [batch])
@@ -282,8 +339,13 @@ def _decode(prep: Prepared, todo, done_rows, run_dir: Path, run_logger, progress
         tps = tokens_total / seconds_total if seconds_total else 0.0
         acc = sum(correct_so_far) / len(correct_so_far)
         bar.set_postfix(tok_s=f"{tps:.1f}", acc=f"{acc:.3f}")
-        run_logger.log_progress({"progress/samples_done": len(correct_so_far), "progress/accuracy": acc,
-                                 "progress/decode_tokens_per_second": tps})
+        run_logger.log_progress(
+            {
+                "progress/samples_done": len(correct_so_far),
+                "progress/accuracy": acc,
+                "progress/decode_tokens_per_second": tps,
+            }
+        )
 
 
 def compute_metrics(run_dir: Path, problem_ids: list[str], n_samples: int, info: dict, pass_k) -> dict:
@@ -304,7 +366,9 @@ def compute_metrics(run_dir: Path, problem_ids: list[str], n_samples: int, info:
     rows = [r for rs in by_problem.values() for r in rs]
     n = len(rows)
     metrics: dict[str, Any] = {
-        "problems": len(by_problem), "problems_expected": len(ids), "samples": n,
+        "problems": len(by_problem),
+        "problems_expected": len(ids),
+        "samples": n,
         "complete": len(by_problem) == len(ids) and all(len(v) == n_samples for v in by_problem.values()),
         **info,
     }
@@ -321,14 +385,16 @@ def compute_metrics(run_dir: Path, problem_ids: list[str], n_samples: int, info:
         if k <= min_n:
             metrics[f"pass@{k}"] = mean_pass_at_k(per_problem, k)
     classes = [r["loop_class"] for r in rows]
-    metrics.update({
-        "answered_rate": sum(r["extracted"] is not None for r in rows) / n,
-        "loop_rate": classes.count("loop") / n,
-        "garbage_rate": classes.count("garbage") / n,
-        "truncation_rate": classes.count("truncated") / n,
-        "mean_output_tokens": sum(r["output_tokens"] for r in rows) / n,
-        "compression_ratio": sum(r["compression_ratio"] for r in rows) / n,
-    })
+    metrics.update(
+        {
+            "answered_rate": sum(r["extracted"] is not None for r in rows) / n,
+            "loop_rate": classes.count("loop") / n,
+            "garbage_rate": classes.count("garbage") / n,
+            "truncation_rate": classes.count("truncated") / n,
+            "mean_output_tokens": sum(r["output_tokens"] for r in rows) / n,
+            "compression_ratio": sum(r["compression_ratio"] for r in rows) / n,
+        }
+    )
     groups = {pid: rs[0].get("meta", {}).get("year") for pid, rs in by_problem.items()}
     if len({g for g in groups.values() if g is not None}) > 1:
         for year in sorted({g for g in groups.values() if g is not None}):
@@ -336,15 +402,17 @@ def compute_metrics(run_dir: Path, problem_ids: list[str], n_samples: int, info:
             metrics[f"accuracy/{year}"] = mean_pass_at_1(sub)
     if batches:
         dec_s = sum(b["decode_seconds"] for b in batches)
-        metrics.update({
-            "kv_cache_bytes": max(b["kv_cache_bytes"] for b in batches),
-            "kv_cache_bytes_full": max(b["kv_cache_bytes_full"] for b in batches),
-            "peak_memory_bytes": max(b["peak_memory_bytes"] for b in batches),
-            "prefill_seconds": sum(b["prefill_seconds"] for b in batches) / len(batches),
-            "decode_tokens_per_second": sum(b["output_tokens"] for b in batches) / dec_s if dec_s else None,
-            "evictions": sum(b["evictions"] for b in batches),
-            "eviction_seconds": sum(b["eviction_seconds"] for b in batches),
-        })
+        metrics.update(
+            {
+                "kv_cache_bytes": max(b["kv_cache_bytes"] for b in batches),
+                "kv_cache_bytes_full": max(b["kv_cache_bytes_full"] for b in batches),
+                "peak_memory_bytes": max(b["peak_memory_bytes"] for b in batches),
+                "prefill_seconds": sum(b["prefill_seconds"] for b in batches) / len(batches),
+                "decode_tokens_per_second": sum(b["output_tokens"] for b in batches) / dec_s if dec_s else None,
+                "evictions": sum(b["evictions"] for b in batches),
+                "eviction_seconds": sum(b["eviction_seconds"] for b in batches),
+            }
+        )
         att = [b["attended_tokens"] for b in batches if b.get("attended_tokens") is not None]
         metrics["attended_tokens"] = sum(att) / len(att) if att else None
         metrics["held_tokens"] = sum(b["held_tokens"] for b in batches) / len(batches)

@@ -43,9 +43,17 @@ class WandbLogger(NullLogger):
         log_artifact: upload the run directory as an artifact.
     """
 
-    def __init__(self, mode: str = "offline", project: str = "vase", entity: str | None = None,
-                 group: str | None = None, tags: list[str] | None = None, log_samples: bool = True,
-                 log_artifact: bool = True, max_text: int = 2000):
+    def __init__(
+        self,
+        mode: str = "offline",
+        project: str = "vase",
+        entity: str | None = None,
+        group: str | None = None,
+        tags: list[str] | None = None,
+        log_samples: bool = True,
+        log_artifact: bool = True,
+        max_text: int = 2000,
+    ):
         if mode not in ("offline", "online", "disabled"):
             raise ValueError(f"logger.mode: must be offline, online or disabled, got {mode!r}")
         self.mode = os.environ.get("WANDB_MODE", mode)
@@ -61,8 +69,17 @@ class WandbLogger(NullLogger):
 
         name = "/".join(Path(run_dir).parts[-3:])
         self.run = wandb.init(
-            project=self.project, entity=self.entity, group=self.group, tags=self.tags, name=name, id=run_id,
-            resume="allow", mode=self.mode, dir=str(run_dir), config=config, reinit="finish_previous",
+            project=self.project,
+            entity=self.entity,
+            group=self.group,
+            tags=self.tags,
+            name=name,
+            id=run_id,
+            resume="allow",
+            mode=self.mode,
+            dir=str(run_dir),
+            config=config,
+            reinit="finish_previous",
         )
 
     def log_progress(self, values: dict) -> None:
@@ -79,16 +96,30 @@ class WandbLogger(NullLogger):
         self.run.summary.update({k: v for k, v in metrics.items() if v is not None})
         if self.log_samples:
             rows = read_jsonl_tolerant(Path(run_dir) / SAMPLES)
-            cols = ["problem_id", "sample", "correct", "extracted", "loop_class", "finish_reason", "output_tokens",
-                    "output"]
+            cols = [
+                "problem_id",
+                "sample",
+                "correct",
+                "extracted",
+                "loop_class",
+                "finish_reason",
+                "output_tokens",
+                "output",
+            ]
             table = wandb.Table(columns=cols)
             for r in rows:
                 table.add_data(*[str(r.get(c))[: self.max_text] if c == "output" else r.get(c) for c in cols])
             self.run.log({"samples": table})
         if self.log_artifact:
             art = wandb.Artifact(f"run-{self.run.id}", type="run-dir")
-            for name in ("config.yaml", "protocol.json", "manifest.json", "samples.jsonl", "batches.jsonl",
-                         "metrics.json"):
+            for name in (
+                "config.yaml",
+                "protocol.json",
+                "manifest.json",
+                "samples.jsonl",
+                "batches.jsonl",
+                "metrics.json",
+            ):
                 if (Path(run_dir) / name).exists():
                     art.add_file(str(Path(run_dir) / name))
             self.run.log_artifact(art)
