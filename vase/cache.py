@@ -287,7 +287,7 @@ class VaseCache(Cache):
         policy: the eviction / selection policy.
         scaling: the model's attention softmax scale.
         evict_generators: one seeded generator per row for the policy's randomness.
-        attn_backend: ``"sdpa"``, ``"eager"`` or ``"flash_attn"`` (resolved, see :func:`vase.attention.resolve_backend`).
+        attn_backend: ``"sdpa"``, ``"eager"`` or ``"flash_attn"`` (see :func:`vase.attention.resolve_backend`).
         sync_timing: synchronise CUDA around evictions so their timing is exact (evictions only, never per step).
         check_policy_output: validate every ``keep()`` answer (shape, range, uniqueness); costs a sync per eviction.
     """
