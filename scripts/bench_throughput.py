@@ -142,9 +142,9 @@ PAPER14B = dict(
     warmup=1,
     repeats=2,
     protocol="steady",
-    steady_steps=256,
-    warmup_steps=80,
-    time_limit=420.0,
+    steady_steps=192,
+    warmup_steps=72,
+    time_limit=380.0,
     attn_backend="auto",
 )
 
@@ -214,7 +214,7 @@ def random_prompt(length: int, vocab: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed))
 
 
-def build_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0, max_tokens: int = 0):
+def build_model(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0, max_tokens: int = 0, **overrides):
     """A random-weight Qwen3 model of preset ``name``, built directly in ``dtype`` on ``device``.
 
     Same config as ``vase.models.tiny_model("qwen3", **shape)`` (``vase.models.tiny_config``); built under a device
@@ -224,7 +224,7 @@ def build_model(name: str, dtype: torch.dtype, device: torch.device, seed: int =
 
     from vase.models import check_architecture, tiny_config
 
-    config = tiny_config("qwen3", **model_config_kwargs(name, max_tokens))
+    config = tiny_config("qwen3", **{**model_config_kwargs(name, max_tokens), **overrides})
     check_architecture(config)
     torch.manual_seed(seed)
     with torch.device(device):
@@ -512,6 +512,7 @@ def run_config(spec: dict, model=None) -> dict:
     repeats, seed, protocol (full | steady), steady_steps, warmup_steps, probe (None | "start").
     """
     job = Job(spec, model)
+    oom = False
     try:
         job.warm()
         with PeakMemory(job.device) as mem:
@@ -519,6 +520,8 @@ def run_config(spec: dict, model=None) -> dict:
                 job.timed()
         job.mem = mem
     except torch.cuda.OutOfMemoryError:
+        oom = True  # clean up outside the handler: its traceback still references the cache
+    if oom:
         job.outs = []
         row = job.row("OOM")
         del job
@@ -606,8 +609,8 @@ def sweep_specs(args) -> list[dict]:
                 continue
             for n in args.output_lens:
                 specs.append(dict(base, policy=name, budget=budget if kinds[name] != "none" else 0, output_len=n))
-    if args.protocol == "steady":  # the growing cache's first steps (the real prompt): one probe
-        specs.append(dict(base, policy="full", budget=0, output_len=max(args.output_lens), probe="start"))
+    if args.protocol == "steady":  # the growing cache's first steps (the real prompt): one probe, run first (cheap)
+        specs.insert(0, dict(base, policy="full", budget=0, output_len=max(args.output_lens), probe="start"))
     return specs
 
 

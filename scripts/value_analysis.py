@@ -31,7 +31,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", default="0,6,12,18,23", help="comma-separated layer indices (default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="output tokens per problem (default: %(default)s)")
     p.add_argument("--out", default="docs/figures/value_analysis", help="output directory (default: %(default)s)")
-    p.add_argument("--k", type=float, default=5.0, help="large value: range > k x median (default: %(default)s)")
+    p.add_argument(
+        "--large",
+        default="5x,top1%%",
+        help="definitions of a large-value token for the position/token analyses: kx (range > k x the median of its\n"
+        "layer and head) and/or topP%% (the largest P%% per layer and head) (default: %(default)s)",
+    )
+    p.add_argument("--records", default=None, help="reuse a records.csv.gz from --save-records instead of decoding")
     p.add_argument("--bits", default="2,4", help="quantization bits (default: %(default)s)")
     p.add_argument("--groups", default="32,64", help="quantization group sizes (default: %(default)s)")
     p.add_argument("--formats", default="png,pdf", help="figure formats (default: %(default)s)")
@@ -48,48 +54,43 @@ def _ints(text: str, name: str) -> list[int]:
         raise SystemExit(f"--{name}: expected comma-separated integers, got {text!r}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="[%(asctime)s %(levelname)s %(name)s] %(message)s", datefmt="%H:%M:%S"
-    )
-    layers, bits, groups = _ints(args.layers, "layers"), _ints(args.bits, "bits"), _ints(args.groups, "groups")
-    model_cfg, task_cfg = ROOT / "conf" / "model" / f"{args.model}.yaml", ROOT / "conf" / "task" / f"{args.task}.yaml"
-    for path, what in ((model_cfg, "model"), (task_cfg, "task")):
-        if not path.exists():
-            options = sorted(p.stem for p in path.parent.glob("*.yaml"))
-            raise SystemExit(f"--{what}: no {path.name} in conf/{what}; choose one of {', '.join(options)}")
+def load_tokenizer(spec):
+    """The tokenizer of a model spec without loading the weights (for --records)."""
+    from transformers import AutoTokenizer
 
+    from vase.models import OFFLINE_MODELS, convert_offline_model, qwen3_tokenizer_dir
+
+    if spec.name in OFFLINE_MODELS:
+        return AutoTokenizer.from_pretrained(convert_offline_model(spec.name))
+    if spec.name.startswith("tiny:"):
+        return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+    return AutoTokenizer.from_pretrained(spec.name, revision=spec.revision)
+
+
+def decode(args, spec, task, layers: list[int], bits: list[int], groups: list[int]):
+    """Decode the task's problems with the full cache; return (records, tokenizer, facts for summary.json)."""
+    import pandas as pd
     import torch
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
     from vase.generate import SamplingConfig
     from vase.runner import eos_ids
-    from vase.value_analysis import analyze, capture_values, token_records, write_outputs
+    from vase.value_analysis import capture_values, token_records
 
-    spec = instantiate(OmegaConf.load(model_cfg))
-    task_conf = OmegaConf.load(task_cfg)
-    task_conf.limit = args.limit
-    task = instantiate(task_conf)
     problems = task.load()
     t0 = time.perf_counter()
     model, tokenizer = spec.load()
     print(f"model {spec.name} loaded in {time.perf_counter() - t0:.1f} s; {len(problems)} problems of {task.name}")
-    sampling = (
-        SamplingConfig(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
-        if args.sample
-        else SamplingConfig(greedy=True)
-    )
+    if args.sample:
+        sampling = SamplingConfig(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
+    else:
+        sampling = SamplingConfig(greedy=True)
     stop = eos_ids(model, tokenizer)
     thinking = bool(spec.thinking and task.thinking)
-    frames = []
-    tokens_total = 0
+    frames, tokens_total = [], 0
     t_dec = time.perf_counter()
     for i, problem in enumerate(problems):
-        ids = tokenizer(task.render(problem, tokenizer, enable_thinking=thinking), add_special_tokens=False)[
-            "input_ids"
-        ]
+        prompt = task.render(problem, tokenizer, enable_thinking=thinking)
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         cap = capture_values(
             model,
             ids,
@@ -104,35 +105,76 @@ def main(argv: list[str] | None = None) -> int:
         tokens_total += n_out
         print(f"problem {problem.id}: {cap.prompt_len} prompt + {n_out} output tokens in the cache")
         frames.append(token_records(cap, bits, groups))
-    decode_s = time.perf_counter() - t_dec
-    import pandas as pd
-
-    records = pd.concat(frames, ignore_index=True)
-    res = analyze(records, token_text=lambda t: tokenizer.decode([t]), k=args.k)
-    title = f"{spec.name}, {task.name}, {len(problems)} problems"
-    paths = write_outputs(
-        res, args.out, formats=[f for f in args.formats.split(",") if f], title=title, save_records=args.save_records
-    )
-    summary = {
-        "model": spec.name,
-        "task": task.name,
+    facts = {
         "problems": [p.id for p in problems],
-        "layers": layers,
         "num_layers": model.config.num_hidden_layers,
         "kv_heads": model.config.num_key_value_heads,
+        "head_dim": getattr(model.config, "head_dim", None)
+        or model.config.hidden_size // model.config.num_attention_heads,
         "dtype": str(next(model.parameters()).dtype),
         "greedy": not args.sample,
         "max_new_tokens": args.max_new_tokens,
         "output_tokens": tokens_total,
-        "records": len(records),
-        "k": args.k,
-        "bits": bits,
-        "group_sizes": groups,
-        "decode_seconds": round(decode_s, 1),
+        "decode_seconds": round(time.perf_counter() - t_dec, 1),
         "torch": torch.__version__,
     }
+    return pd.concat(frames, ignore_index=True), tokenizer, facts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="[%(asctime)s %(levelname)s %(name)s] %(message)s", datefmt="%H:%M:%S"
+    )
+    layers, bits, groups = _ints(args.layers, "layers"), _ints(args.bits, "bits"), _ints(args.groups, "groups")
+    large = [x.strip() for x in args.large.split(",") if x.strip()]
+    model_cfg, task_cfg = ROOT / "conf" / "model" / f"{args.model}.yaml", ROOT / "conf" / "task" / f"{args.task}.yaml"
+    for path, what in ((model_cfg, "model"), (task_cfg, "task")):
+        if not path.exists():
+            options = sorted(p.stem for p in path.parent.glob("*.yaml"))
+            raise SystemExit(f"--{what}: no {path.name} in conf/{what}; choose one of {', '.join(options)}")
+
+    import pandas as pd
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from vase.value_analysis import analyze, parse_large, write_outputs
+
+    try:
+        for x in large:
+            parse_large(x)
+    except ValueError as err:
+        raise SystemExit(f"--large: {err}") from None
+    spec = instantiate(OmegaConf.load(model_cfg))
+    task_conf = OmegaConf.load(task_cfg)
+    task_conf.limit = args.limit
+    task = instantiate(task_conf)
+    if args.records:
+        records = pd.read_csv(args.records)
+        tokenizer = load_tokenizer(spec)
+        facts = {"records_from": str(args.records)}
+        layers = sorted(int(x) for x in records["layer"].unique())
+        print(f"{len(records)} records from {args.records}")
+    else:
+        records, tokenizer, facts = decode(args, spec, task, layers, bits, groups)
+    res = analyze(records, token_text=lambda t: tokenizer.decode([t]), large=large)
+    title = f"{spec.name}, {task.name}, {records['problem_id'].nunique()} problems"
+    formats = [f for f in args.formats.split(",") if f]
+    paths = write_outputs(res, args.out, formats=formats, title=title, save_records=args.save_records)
+    summary = {
+        "model": spec.name,
+        "task": task.name,
+        "layers": layers,
+        "records": len(records),
+        "large": large,
+        "bits": bits,
+        "group_sizes": groups,
+        **facts,
+    }
     Path(args.out, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
     pd.set_option("display.width", 160)
+    fmt = {"float_format": lambda x: f"{x:.4g}", "index": False}
     cols = [
         "layer",
         "range_median",
@@ -140,22 +182,25 @@ def main(argv: list[str] | None = None) -> int:
         "range_max",
         "range_max_over_median",
         "l2_median",
-        f"share_above_{args.k:g}x_median",
-    ]
-    print("\nper-layer value range:")
-    print(res.per_layer[cols].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
-    print("\nSpearman(range, relative quantization error):")
-    print(
-        res.correlation.pivot(index="layer", columns=["bits", "group_size"], values="spearman_relative").to_string(
-            float_format=lambda x: f"{x:.3f}"
-        )
-    )
-    sinks = res.locations[(res.locations["kind"] == "bucket") & (res.locations["where"] == "sink 0-3")]
-    print("\nshare of large-value tokens that are sinks (positions 0-3), per layer:")
-    print(sinks[["layer", "large_tokens", "large_share", "all_share"]].to_string(index=False))
-    print("\ntop large-value tokens:")
-    print(res.tokens.head(10).to_string(index=False))
-    print(f"\n{len(paths)} files in {args.out} ({tokens_total} output tokens decoded in {decode_s:.0f} s)")
+        "sink_over_median",
+    ] + [c for c in res.per_layer.columns if c.startswith("share_above_")]
+    print("\nper-layer value range (share_above: of tokens, per (layer, head) median):")
+    print(res.per_layer[cols].to_string(**fmt))
+    print("\nSpearman(range, relative quantization error) per layer and (bits, group size):")
+    pivot = res.correlation.pivot(index="layer", columns=["bits", "group_size"], values="spearman_relative")
+    print(pivot.to_string(float_format=lambda x: f"{x:.3f}"))
+    loc = res.locations[res.locations["kind"] == "bucket"]
+    for definition in res.definitions:
+        sub = loc[(loc["definition"] == definition) & (loc["large_tokens"] > 0)]
+        print(f"\nwhere the large-value tokens sit ({definition}):")
+        if sub.empty:
+            print("  none")
+            continue
+        print(sub[["layer", "where", "large_tokens", "large_share", "all_share", "enrichment"]].to_string(**fmt))
+        tok = res.tokens[res.tokens["definition"] == definition]
+        print(f"top tokens ({definition}):")
+        print(tok.drop(columns="definition").head(10).to_string(**fmt))
+    print(f"\n{len(paths)} files in {args.out}")
     return 0
 
 

@@ -261,6 +261,7 @@ def test_five_task_average(tmp_path: Path):
         make_run(root, f"full/{task}", task, "full", 64, {"p0": [a, a], "p1": [b, b]})
         if task != "hmmt25":  # snapkv misses one task: no average
             make_run(root, f"snap/{task}", task, "snapkv", 64, {"p0": [a, 0], "p1": [b, b]})
+        make_run(root, f"vase/{task}", task, "vase_attnv", 64, {"p0": [1, 0], "p1": [1, 1]})
     s = A.summarize(A.load_tree(root))
     t = A.accuracy_table(s, "m", "B=64")
     assert [c for c in t.display.columns] == ["Method", "AIME25", "GPQA-D", "MATH", "AIME26", "HMMT25", "Avg (5)"]
@@ -270,6 +271,7 @@ def test_five_task_average(tmp_path: Path):
     ses = [50.0, 0.0, 0.0, 0.0, 50.0]  # std of two per-problem accuracies {a, b}, / sqrt(2)
     assert d.loc["full", "avg_se"] == pytest.approx(math.sqrt(sum(e * e for e in ses)) / 5)
     assert math.isnan(d.loc["snapkv", "avg"])
+    assert d.loc["vase_attnv", "avg"] == pytest.approx(75.0)
     assert t.display.set_index("Method").loc["SnapKV", "Avg (5)"] == A.MISSING
 
 
@@ -318,7 +320,8 @@ def test_ratio_operating_point_matches_runner(tmp_path: Path):
     assert sorted(tree.runs["op"]) == ["2x", "4x", "B=96"]
     res = A.FigureResult()
     A.figure_accuracy_vs_budget(A.summarize(tree), res)
-    assert "accuracy_vs_budget_m_gsm8k" in res.figures
+    assert list(res.figures) == ["accuracy_vs_ratio_m_gsm8k"]  # the explicit-budget run is a single point
+    assert "no policy at two budget values" in dict(res.skipped)["accuracy_vs_budget_m_gsm8k"]
 
 
 def test_tables_written_and_csv_values(tree_dir: Path, tmp_path: Path):
@@ -391,8 +394,38 @@ def test_report_pdf_and_skips(tmp_path: Path):
     pdfs = [p for p in report.figure_paths if p.suffix == ".pdf"]
     assert pdfs and all(p.read_bytes()[:4] == b"%PDF" for p in pdfs)
     skipped = dict(report.skipped)
-    assert "one budget only" in skipped["accuracy_vs_budget_m_gsm8k"]
+    assert "no policy at two budget values" in skipped["accuracy_vs_budget_m_gsm8k"]
     assert "cache_diversity" in skipped
+
+
+def test_metrics_only_run(tmp_path: Path):
+    """A run that kept only metrics.json (e.g. copied from elsewhere): its numbers are taken as saved."""
+    root = tmp_path / "m"
+    d = make_run(root, "a", "gsm8k", "snapkv", 64, {"p0": [1, 0]})
+    (d / "samples.jsonl").unlink()
+    (d / "batches.jsonl").unlink()
+    saved = {
+        "policy": "snapkv",
+        "task": "gsm8k",
+        "model": "m",
+        "complete": True,
+        "samples": 40,
+        "problems": 20,
+        "accuracy": 0.4,
+        "accuracy_stderr": 0.05,
+        "loop_rate": 0.1,
+        "garbage_rate": 0.0,
+        "truncation_rate": 0.2,
+        "answered_rate": 0.9,
+        "mean_output_tokens": 321.0,
+        "compression_ratio": 3.0,
+    }
+    (d / "metrics.json").write_text(json.dumps(saved))
+    s = A.summarize(A.load_tree(root))
+    r = row(s, "gsm8k", "snapkv", "B=64")
+    assert (r["accuracy"], r["accuracy_se"], r["loop_rate"], r["ok_rate"]) == pytest.approx((40, 5, 10, 70))
+    assert r["samples"] == 40 and r["complete"] and math.isnan(r["decode_tokens_per_second"])
+    assert {t.name for t in A.paper_tables(s)} >= {"summary", "accuracy_m_B64"}
 
 
 def test_errors(tmp_path: Path):

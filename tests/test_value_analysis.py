@@ -102,10 +102,18 @@ def test_large_value_tables_by_hand():
     assert loc.loc["4-15", "enrichment"] == pytest.approx(5.0)
     assert loc.loc["sink 0-3", "large_share"] == 0.0 and loc.loc["sink 0-3", "all_share"] == pytest.approx(0.8)
     assert loc.loc["output", "large_share"] == 1.0 and loc.loc["output", "all_share"] == pytest.approx(0.4)
-    tok = V.large_value_tokens(df, lambda t: f"<{t}>", k=5)
-    assert tok.to_dict("records") == [
+    assert loc["definition"].iloc[0] == "range > 5× median"
+    tok = V.large_value_tokens(df, lambda t: f"<{t}>", large="5x")
+    assert tok.drop(columns="definition").to_dict("records") == [
         {"token_id": 8, "text": "<8>", "large": 1, "occurrences": 3, "rate": pytest.approx(1 / 3), "sink_position": 1}
     ]
+    # the largest 40 %: the 0.6-quantile of [1, 1, 1, 1, 10] is 1, so ties count: every token
+    assert V.flag_large(df, "top40%").all()
+    assert V.flag_large(df, "top10%").tolist() == [False, False, False, False, True]
+    assert V.parse_large("top1%") == ("top", 0.01) and V.parse_large(3) == ("x", 3.0)
+    with pytest.raises(ValueError, match="large"):
+        V.parse_large("big")
+    assert stats["sink_range_median"] == 1.0 and stats["sink_over_median"] == 1.0
     corr = V.quant_error_correlation(df).iloc[0]
     assert (corr["bits"], corr["group_size"]) == (2, 32)
     expected = np.corrcoef(pd.Series([1.0, 1, 1, 1, 10]).rank(), pd.Series([0.1, 0.1, 0.2, 0.3, 0.9]).rank())[0, 1]
@@ -148,12 +156,17 @@ def test_tiny_pipeline_writes_every_output(tiny_capture, tmp_path: Path):
     v = torch.from_numpy(cap.values[2][1, 5])
     assert row["range"] == pytest.approx(float(v.max() - v.min()))
     assert row["qerr_b2_g4"] == pytest.approx(V.quantization_error(v, 2, 4)[0].item(), rel=1e-5)
-    res = V.analyze(rec, token_text=str, k=3)
+    res = V.analyze(rec, token_text=str, large=("50x", "top5%"))  # nothing is 50x the median in a random model
     assert list(res.per_layer["layer"]) == [0, 2]
     assert set(res.correlation["bits"]) == {2, 4}
     paths = V.write_outputs(res, tmp_path, formats=("png",), title="tiny", scatter=[(2, 4)])
     pngs = [p for p in paths if p.suffix == ".png"]
-    assert len(pngs) == 5 + 1  # 5 summary figures + the scatter asked for
+    assert res.definitions == ("range > 50× median", "largest 5% of ranges")
+    assert len(pngs) == 3 + 2 + 1  # 3 summary figures, positions/tokens for the definition with tokens, 1 scatter
+    assert {p.stem for p in pngs} >= {
+        "large_value_positions_largest_5_of_ranges",
+        "large_value_tokens_largest_5_of_ranges",
+    }
     for p in paths:
         assert p.stat().st_size > 0
     for p in pngs:

@@ -133,6 +133,17 @@ BATCH_COLUMNS = (
     "held_tokens",
 )
 MISSING = "–"
+# short hyper-parameter names for figure labels (tables spell them out)
+PARAM_ABBREVIATIONS = {
+    "attn_temperature": "T",
+    "n_protect": "P",
+    "value_stat": "stat",
+    "resample_sketch": "resample",
+    "rkv_lambda": "λ",
+    "smooth_kernel": "kernel",
+    "sample": "sample",
+    "window": "W",
+}
 # protocol.json keys that legitimately differ between runs pooled into one table cell
 _PER_RUN_PROTOCOL_KEYS = ("policy", "budget", "window", "seed", "n_samples")
 
@@ -388,16 +399,22 @@ def _fmt_value(v: Any) -> str:
     return str(v)
 
 
+def _with_defaults(params_json: str, target: str | None) -> dict:
+    """A run's hyper-parameters, with the policy class's defaults for keys its config does not list."""
+    defaults = {k: v for k, v in policy_defaults(target).items() if k not in NOT_HYPERPARAMETERS}
+    return {**defaults, **json.loads(params_json)} if json.loads(params_json) else {}
+
+
 def label_policies(runs: pd.DataFrame) -> pd.DataFrame:
     """Add ``policy`` (identity), ``method`` (display name) and ``op`` (operating point) columns in place."""
-    labels, methods = [], []
+    labels, methods, shorts = [], [], []
     varying: dict[str, list[str]] = {}
     for name, sub in runs.groupby("policy_name"):
-        dicts = [json.loads(p) for p in sub["params"]]
+        dicts = [_with_defaults(p, t) for p, t in zip(sub["params"], sub["policy_target"])]
         keys = sorted({k for d in dicts for k in d})
         varying[name] = [k for k in keys if len({json.dumps(d.get(k), default=str) for d in dicts}) > 1]
     for _, run in runs.iterrows():
-        params = json.loads(run["params"])
+        params = _with_defaults(run["params"], run["policy_target"])
         defaults = policy_defaults(run["policy_target"])
         shown = [
             (k, params.get(k)) for k in varying[run["policy_name"]] if k not in defaults or params.get(k) != defaults[k]
@@ -406,8 +423,10 @@ def label_policies(runs: pd.DataFrame) -> pd.DataFrame:
         labels.append(base + ("[" + ",".join(f"{k}={_fmt_value(v)}" for k, v in shown) + "]" if shown else ""))
         display = POLICY_LABELS.get(base, base)
         methods.append(display + (" (" + ", ".join(f"{k}={_fmt_value(v)}" for k, v in shown) + ")" if shown else ""))
+        shorts.append(display + "".join(f" {PARAM_ABBREVIATIONS.get(k, k)}={_fmt_value(v)}" for k, v in shown))
     runs["policy"] = labels
     runs["method"] = methods
+    runs["short"] = shorts
     kinds, values = [], []
     for pk, derived, r, b in zip(runs["policy_kind"], runs["ratio_derived"], runs["ratio"], runs["budget"]):
         if pk == "none":
@@ -514,9 +533,22 @@ def _group_metrics_from_json(ms: list[dict]) -> dict:
     return out
 
 
+_BATCH_METRICS = (
+    "kv_cache_bytes",
+    "kv_cache_bytes_full",
+    "peak_memory_bytes",
+    "decode_tokens_per_second",
+    "prefill_seconds",
+    "evictions",
+    "eviction_seconds",
+    "attended_tokens",
+    "held_tokens",
+)
+
+
 def _batch_metrics(b: pd.DataFrame) -> dict:
     if b.empty:
-        return {}
+        return dict.fromkeys(_BATCH_METRICS, float("nan"))
     num = b.apply(pd.to_numeric, errors="coerce")
     dec = num["decode_seconds"].sum()
     att = num["attended_tokens"].dropna()
@@ -576,6 +608,7 @@ def summarize(tree: Tree) -> pd.DataFrame:
             "op_kind": first["op_kind"],
             "op_value": first["op_value"],
             "method": first["method"],
+            "short": first["short"],
             "policy_name": first["policy_name"],
             "policy_kind": first["policy_kind"],
             "params": first["params"],
@@ -611,14 +644,10 @@ def operating_points(summary: pd.DataFrame, model: str) -> list[str]:
 
 
 def _at_op(summary: pd.DataFrame, model: str, op: str) -> pd.DataFrame:
-    """``model``'s rows at operating point ``op``, plus its full-cache rows of the same tasks (of every paper task
-    when the operating point has one, so that a missing run shows as missing and the full cache's average exists)."""
+    """``model``'s rows at operating point ``op``, plus its full-cache rows of the tasks run at ``op``."""
     sub = summary[summary["model"] == model]
     at = sub[sub["op"] == op]
-    tasks = set(at["task"])
-    if tasks & set(PAPER_TASKS):
-        tasks |= set(PAPER_TASKS)
-    full = sub[(sub["op_kind"] == "full") & (sub["task"].isin(tasks) | (op == "full"))]
+    full = sub[(sub["op_kind"] == "full") & (sub["task"].isin(set(at["task"])) | (op == "full"))]
     out = pd.concat([full, at]) if op != "full" else full
     order = sorted(
         range(len(out)), key=lambda i: (task_sort_key(out["task"].iloc[i]), policy_sort_key(out["policy"].iloc[i]))
@@ -1007,6 +1036,13 @@ _PALETTE = [
 ]
 
 
+def _wrap(labels: Iterable[str], width: int = 26) -> list[str]:
+    """Tick labels wrapped at ``width`` characters (long ablation names)."""
+    import textwrap
+
+    return [textwrap.fill(str(t), width) for t in labels]
+
+
 def policy_color(policy: str, index: int = 0) -> str:
     """A stable colour per policy name (the variants of one policy get shades via ``index``)."""
     base = policy.split("[", 1)[0]
@@ -1044,42 +1080,48 @@ def _grid(n: int, width: float = 4.2, height: float = 3.4, max_cols: int = 3) ->
 
 
 def figure_accuracy_vs_budget(summary: pd.DataFrame, res: FigureResult) -> None:
-    """Per (model, task): accuracy ± SE vs budget (or ratio) per policy; the full cache as a band."""
+    """Per (model, task): accuracy ± SE vs compression ratio (runs launched with ``ratio=``) and/or vs budget (runs
+    launched with ``budget=``), one line per policy identity seen at two or more points; the full cache as a band."""
     for (model, task), sub in summary.groupby(["model", "task"], sort=False):
-        name = f"accuracy_vs_budget_{_slug(model)}_{_slug(task)}"
-        ev = sub[sub["op_kind"] != "full"]
-        kind = "ratio" if len(ev) and (ev["op_kind"] == "ratio").all() else "budget"
-        ev = ev.assign(x=ev["op_value"] if kind == "ratio" else ev["budget"])
-        if ev["x"].nunique() < 2:
-            res.skip(name, f"{model}/{task}: one budget only ({', '.join(sorted(set(ev['op'])))})")
-            continue
-        fig = new_figure(6.4, 4.2)
-        ax = fig.add_subplot()
-        for k, (pol, ps) in enumerate(sorted(ev.groupby("policy"), key=lambda kv: policy_sort_key(kv[0]))):
-            ps = ps.sort_values("x")
-            ax.errorbar(
-                ps["x"],
-                ps["accuracy"],
-                yerr=ps["accuracy_se"].fillna(0),
-                marker="o",
-                capsize=3,
-                label=ps["method"].iloc[0],
-                color=policy_color(pol, k if "[" in pol else 0),
-            )
         full = sub[sub["op_kind"] == "full"]
-        if len(full):
-            acc, se = full["accuracy"].iloc[0], full["accuracy_se"].iloc[0]
-            ax.axhline(acc, color="black", ls="--", lw=1, label="Full cache")
-            if not math.isnan(se):
-                ax.axhspan(acc - se, acc + se, color="black", alpha=0.08)
-        ax.set_xlabel("compression ratio (×)" if kind == "ratio" else "budget B (tokens per layer and KV head)")
-        if kind == "budget":
+        for kind in ("ratio", "budget"):
+            name = f"accuracy_vs_{kind}_{_slug(model)}_{_slug(task)}"
+            ev = sub[sub["op_kind"] == kind]
+            ev = ev.assign(x=ev["op_value"])
+            lines = [(p, ps.sort_values("x")) for p, ps in ev.groupby("policy") if ps["x"].nunique() >= 2]
+            if not lines:
+                if len(ev):
+                    res.skip(
+                        name, f"{model}/{task}: no policy at two {kind} values ({', '.join(sorted(set(ev['op'])))})"
+                    )
+                continue
+            fig = new_figure(6.6, 4.2)
+            ax = fig.add_subplot()
+            for k, (pol, ps) in enumerate(sorted(lines, key=lambda kv: policy_sort_key(kv[0]))):
+                ax.errorbar(
+                    ps["x"],
+                    ps["accuracy"],
+                    yerr=ps["accuracy_se"].fillna(0),
+                    marker="o",
+                    capsize=3,
+                    label=ps["short"].iloc[0],
+                    color=policy_color(pol, k if "[" in pol else 0),
+                )
+            if len(full):
+                acc, se = full["accuracy"].iloc[0], full["accuracy_se"].iloc[0]
+                ax.axhline(acc, color="black", ls="--", lw=1, label="Full cache")
+                if not math.isnan(se):
+                    ax.axhspan(acc - se, acc + se, color="black", alpha=0.08)
+            xs = sorted(set(ev["x"]))
             ax.set_xscale("log", base=2)
-        ax.set_ylabel("pass@1 (%)")
-        ax.set_title(f"{TASK_LABELS.get(task, task)} — {model}")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="best")
-        res.figures[name] = fig
+            ax.set_xticks(xs, [f"{x:g}×" if kind == "ratio" else f"{x:g}" for x in xs])
+            ax.minorticks_off()
+            ax.set_xlabel("compression ratio" if kind == "ratio" else "budget B (tokens per layer and KV head)")
+            ax.set_ylabel("pass@1 (%)")
+            ax.set_title(f"{TASK_LABELS.get(task, task)} — {model}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, loc="best")
+            res.figures[name] = fig
 
 
 def figure_failure_modes(summary: pd.DataFrame, res: FigureResult) -> None:
@@ -1089,7 +1131,7 @@ def figure_failure_modes(summary: pd.DataFrame, res: FigureResult) -> None:
             sub = _at_op(summary, model, op)
             name = f"failure_modes_{_slug(model)}_{_slug(op)}"
             tasks = sorted(sub["task"].unique(), key=task_sort_key)
-            fig, axes = _grid(len(tasks), 4.6, 3.8)
+            fig, axes = _grid(len(tasks), max(4.6, 0.8 * sub.groupby("task").size().max()), 4.2)
             for ax, task in zip(axes, tasks):
                 ts = sub[sub["task"] == task]
                 ts = ts.iloc[sorted(range(len(ts)), key=lambda i: policy_sort_key(ts["policy"].iloc[i]))]
@@ -1099,18 +1141,19 @@ def figure_failure_modes(summary: pd.DataFrame, res: FigureResult) -> None:
                     vals = ts[f"{c}_rate"].fillna(0).to_numpy()
                     ax.bar(x, vals, bottom=bottom, color=LOOP_COLORS[c], label=c, width=0.75)
                     bottom += vals
-                ax.set_xticks(x, ts["method"], rotation=45, ha="right", fontsize=7)
+                ax.set_xticks(x, _wrap(ts["short"]), rotation=45, ha="right", rotation_mode="anchor", fontsize=7)
                 ax.set_ylim(0, 100)
                 ax.set_ylabel("% of samples")
                 ax.set_title(TASK_LABELS.get(task, task))
-            axes[0].legend(fontsize=7, loc="lower left")
+            handles, labels = axes[0].get_legend_handles_labels()
+            fig.legend(handles, labels, loc="outside right upper", fontsize=8)
             fig.suptitle(f"Output failure modes — {model}, {op}")
             res.figures[name] = fig
 
 
 def figure_output_lengths(tree: Tree, summary: pd.DataFrame, res: FigureResult) -> None:
     """Per (model, operating point): output-length distributions per policy (violins), one panel per task."""
-    s = tree.samples.merge(tree.runs[["run_id", "model", "task", "policy", "method", "op"]], on="run_id")
+    s = tree.samples.merge(tree.runs[["run_id", "model", "task", "policy", "short", "op"]], on="run_id")
     s = s.drop_duplicates(subset=["model", "task", "policy", "op", "problem_id", "sample", "seed"])
     for model in sorted(summary["model"].unique()):
         for op in operating_points(summary, model):
@@ -1121,7 +1164,7 @@ def figure_output_lengths(tree: Tree, summary: pd.DataFrame, res: FigureResult) 
                 res.skip(name, f"{model}: no samples on disk")
                 continue
             tasks = sorted(ms["task"].unique(), key=task_sort_key)
-            fig, axes = _grid(len(tasks), 4.6, 3.8)
+            fig, axes = _grid(len(tasks), max(4.6, 0.8 * ms.groupby("task")["policy"].nunique().max()), 4.2)
             for ax, task in zip(axes, tasks):
                 ts = ms[ms["task"] == task]
                 pols = sorted(ts["policy"].unique(), key=policy_sort_key)
@@ -1130,8 +1173,15 @@ def figure_output_lengths(tree: Tree, summary: pd.DataFrame, res: FigureResult) 
                 for body, p in zip(parts["bodies"], pols):
                     body.set_facecolor(policy_color(p))
                     body.set_alpha(0.6)
-                labels = [ts.loc[ts["policy"] == p, "method"].iloc[0] for p in pols]
-                ax.set_xticks(np.arange(1, len(pols) + 1), labels, rotation=45, ha="right", fontsize=7)
+                labels = [ts.loc[ts["policy"] == p, "short"].iloc[0] for p in pols]
+                ax.set_xticks(
+                    np.arange(1, len(pols) + 1),
+                    _wrap(labels),
+                    rotation=45,
+                    ha="right",
+                    rotation_mode="anchor",
+                    fontsize=7,
+                )
                 ax.set_ylabel("output tokens")
                 ax.set_title(TASK_LABELS.get(task, task))
             fig.suptitle(f"Output lengths — {model}, {op}")
@@ -1140,7 +1190,7 @@ def figure_output_lengths(tree: Tree, summary: pd.DataFrame, res: FigureResult) 
 
 def figure_throughput_memory(tree: Tree, res: FigureResult) -> None:
     """Per model: decode throughput, peak memory and KV-cache bytes vs output length per row, per policy."""
-    b = tree.batches.merge(tree.runs[["run_id", "model", "policy", "method", "op", "op_kind", "op_value"]], on="run_id")
+    b = tree.batches.merge(tree.runs[["run_id", "model", "policy", "short", "op", "op_kind", "op_value"]], on="run_id")
     if b.empty:
         res.skip("throughput_memory", "no batches.jsonl")
         return
@@ -1161,7 +1211,7 @@ def figure_throughput_memory(tree: Tree, res: FigureResult) -> None:
         groups = sorted(mb.groupby(["policy", "op"]), key=lambda kv: (policy_sort_key(kv[0][0]), kv[0][1]))
         markers = "osd^v<>P*X"
         for (pol, op), ps in groups:
-            label = ps["method"].iloc[0] + (f" ({op})" if several and op != "full" else "")
+            label = ps["short"].iloc[0] + (f" ({op})" if several and op != "full" else "")
             ops = sorted(set(mb["op"]))
             kw = {
                 "color": policy_color(pol),
@@ -1251,10 +1301,11 @@ def figure_policy_bars(summary: pd.DataFrame, res: FigureResult) -> None:
                 x = np.arange(len(ts))
                 colors = [policy_color(p) for p in ts["policy"]]
                 ax.bar(x, ts["accuracy"], yerr=ts["accuracy_se"].fillna(0), color=colors, capsize=3)
-                for xi, acc, done in zip(x, ts["accuracy"], ts["complete"]):
+                for xi, acc, se, done in zip(x, ts["accuracy"], ts["accuracy_se"].fillna(0), ts["complete"]):
                     if not math.isnan(acc):
-                        ax.text(xi, acc + 1, f"{acc:.1f}" + ("" if done else "†"), ha="center", fontsize=7)
-                ax.set_xticks(x, ts["method"], rotation=40, ha="right", fontsize=8)
+                        label = f"{acc:.1f}" + ("" if done else "†")
+                        ax.text(xi, acc + se + 1.5, label, ha="center", fontsize=7)
+                ax.set_xticks(x, _wrap(ts["short"]), rotation=40, ha="right", rotation_mode="anchor", fontsize=8)
                 ax.set_ylabel("pass@1 (%)")
                 ax.set_ylim(0, max(100.0, float(np.nanmax(ts["accuracy"].to_numpy(dtype=float), initial=0)) + 8))
                 ax.set_title(f"{TASK_LABELS.get(task, task)} — {model}, {op}")
@@ -1274,7 +1325,7 @@ def figure_diversity(diversity: pd.DataFrame, res: FigureResult) -> None:
     x = np.arange(len(d))
     for k, (col, color) in enumerate(zip(("heads", "layers", "samples"), ("#1f77b4", "#ff7f0e", "#2ca02c"))):
         ax.bar(x + (k - 1) * 0.27, d[col].to_numpy(dtype=float), width=0.27, label=f"across {col}", color=color)
-    ax.set_xticks(x, d.index, rotation=30, ha="right", fontsize=8)
+    ax.set_xticks(x, _wrap(d.index), rotation=30, ha="right", rotation_mode="anchor", fontsize=8)
     ax.set_ylabel("mean Jaccard of kept sets")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)

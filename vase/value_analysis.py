@@ -19,6 +19,7 @@ Run it with ``scripts/value_analysis.py`` (see ``docs/analysis.md``).
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from matplotlib.ticker import NullFormatter
 
 from vase.analysis import new_figure, save_figure
 from vase.scores import value_statistic
@@ -203,15 +205,40 @@ def token_records(
 # ------------------------------------------------------------------------------------------------ analyses
 
 
-def flag_large(df: pd.DataFrame, k: float = 5.0, stat: str = "range") -> pd.Series:
-    """Whether each token's ``stat`` exceeds ``k ×`` the median of its (layer, head) over all tokens analysed."""
-    med = df.groupby(["layer", "head"])[stat].transform("median")
-    return df[stat] > k * med
+def parse_large(large: float | str) -> tuple[str, float]:
+    """``5`` / ``"5x"`` -> ``("x", 5.0)`` (range > 5 × median); ``"top1%"`` -> ``("top", 0.01)`` (largest 1 %)."""
+    if isinstance(large, (int, float)):
+        return "x", float(large)
+    text = str(large).strip().lower()
+    m = re.fullmatch(r"([0-9.]+)x", text)
+    if m:
+        return "x", float(m.group(1))
+    m = re.fullmatch(r"top([0-9.]+)%", text)
+    if m and 0 < float(m.group(1)) <= 100:
+        return "top", float(m.group(1)) / 100
+    raise ValueError(f"large: expected e.g. 5x (k x median) or top1% (largest fraction), got {large!r}")
+
+
+def large_label(large: float | str) -> str:
+    """Human-readable definition: ``range > 5× median`` or ``largest 1% of ranges``."""
+    kind, v = parse_large(large)
+    return f"range > {v:g}× median" if kind == "x" else f"largest {100 * v:g}% of ranges"
+
+
+def flag_large(df: pd.DataFrame, large: float | str = 5.0, stat: str = "range") -> pd.Series:
+    """Large-value tokens, per (layer, head) over all tokens analysed: ``stat`` above ``k ×`` the median
+    (``large=k`` or ``"kx"``), or among the largest fraction (``"top1%"``; ties at the threshold included)."""
+    kind, v = parse_large(large)
+    grouped = df.groupby(["layer", "head"])[stat]
+    if kind == "x":
+        return df[stat] > v * grouped.transform("median")
+    return df[stat] >= grouped.transform(lambda x: x.quantile(1 - v))
 
 
 def per_layer_stats(df: pd.DataFrame, ks: Sequence[float] = (3, 5, 10)) -> pd.DataFrame:
-    """Per layer: tokens, median / p90 / p99 / max of range and L2, max/median range ratio, and the share of tokens
-    whose range exceeds ``k ×`` their (layer, head) median, for each ``k``."""
+    """Per layer: tokens, median / p90 / p99 / max of range and L2, max/median range ratio, the share of tokens
+    whose range exceeds ``k ×`` their (layer, head) median for each ``k``, and the sinks' (positions 0-3) median range
+    relative to the layer's median."""
     rows = []
     flags = {k: flag_large(df, k) for k in ks}
     for li, sub in df.groupby("layer"):
@@ -222,6 +249,9 @@ def per_layer_stats(df: pd.DataFrame, ks: Sequence[float] = (3, 5, 10)) -> pd.Da
         row["range_max_over_median"] = row["range_max"] / row["range_median"] if row["range_median"] else np.nan
         for k in ks:
             row[f"share_above_{k:g}x_median"] = float(flags[k][sub.index].mean())
+        sinks = sub.loc[sub["position"] < SINKS, "range"]
+        row["sink_range_median"] = float(sinks.median()) if len(sinks) else np.nan
+        row["sink_over_median"] = row["sink_range_median"] / row["range_median"] if row["range_median"] else np.nan
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -235,12 +265,13 @@ def position_bucket(position: np.ndarray | pd.Series) -> np.ndarray:
     return out
 
 
-def large_value_locations(df: pd.DataFrame, k: float = 5.0) -> pd.DataFrame:
-    """Per layer and position bucket (and prompt vs output): share of the large-value tokens (range > ``k`` ×
-    median) that sit there, against the share of all tokens there (``enrichment = large_share / all_share``)."""
-    large = flag_large(df, k)
+def large_value_locations(df: pd.DataFrame, large: float | str = 5.0) -> pd.DataFrame:
+    """Per layer and position bucket (and prompt vs output): share of the large-value tokens (:func:`flag_large`)
+    that sit there, against the share of all tokens there (``enrichment = large_share / all_share``)."""
     d = df.assign(
-        bucket=position_bucket(df["position"]), large=large, part=np.where(df["is_prompt"], "prompt", "output")
+        bucket=position_bucket(df["position"]),
+        large=flag_large(df, large),
+        part=np.where(df["is_prompt"], "prompt", "output"),
     )
     rows = []
     for li, sub in d.groupby("layer"):
@@ -252,6 +283,7 @@ def large_value_locations(df: pd.DataFrame, k: float = 5.0) -> pd.DataFrame:
                 large_share = float((here & sub["large"]).sum() / n_large) if n_large else np.nan
                 rows.append(
                     {
+                        "definition": large_label(large),
                         "layer": int(li),
                         "kind": col,
                         "where": label,
@@ -266,11 +298,12 @@ def large_value_locations(df: pd.DataFrame, k: float = 5.0) -> pd.DataFrame:
 
 
 def large_value_tokens(
-    df: pd.DataFrame, token_text: Callable[[int], str] | None = None, k: float = 5.0, top: int = 20
+    df: pd.DataFrame, token_text: Callable[[int], str] | None = None, large: float | str = 5.0, top: int = 20
 ) -> pd.DataFrame:
     """The text tokens most often large-valued, over all analysed layers and heads: ``token_id``, ``text``,
-    ``large`` (large (layer, head, position) entries), ``occurrences`` (all entries of that token) and ``rate``."""
-    d = df.assign(large=flag_large(df, k))
+    ``large`` (large (layer, head, position) entries), ``occurrences`` (all entries of that token), ``rate`` and
+    ``sink_position`` (the token's position when it also occurs as a sink, else -1)."""
+    d = df.assign(large=flag_large(df, large))
     g = d.groupby("token_id")["large"].agg(["sum", "count"]).rename(columns={"sum": "large", "count": "occurrences"})
     g = g[g["large"] > 0].sort_values(["large", "occurrences"], ascending=[False, True]).head(top)
     g["rate"] = g["large"] / g["occurrences"]
@@ -278,7 +311,8 @@ def large_value_tokens(
     g["text"] = [token_text(int(t)) if token_text else str(t) for t in g["token_id"]]
     sinks = d[d["position"] < SINKS].groupby("token_id")["position"].min()
     g["sink_position"] = [int(sinks[t]) if t in sinks.index else -1 for t in g["token_id"]]
-    return g[["token_id", "text", "large", "occurrences", "rate", "sink_position"]]
+    g.insert(0, "definition", large_label(large))
+    return g[["definition", "token_id", "text", "large", "occurrences", "rate", "sink_position"]]
 
 
 def quant_error_correlation(df: pd.DataFrame) -> pd.DataFrame:
@@ -350,8 +384,9 @@ def plot_share_above(stats: pd.DataFrame, title: str = ""):
     return fig
 
 
-def plot_locations(loc: pd.DataFrame, k: float, title: str = ""):
-    """Stacked horizontal bars: where the large-value tokens sit (position buckets) per layer, vs all tokens."""
+def plot_locations(loc: pd.DataFrame, title: str = ""):
+    """Stacked horizontal bars: where the large-value tokens sit (position buckets) per layer, vs all tokens
+    (``loc``: one definition's rows of :func:`large_value_locations`)."""
     b = loc[loc["kind"] == "bucket"]
     layers = sorted(b["layer"].unique())
     labels = [x[2] for x in POSITION_BUCKETS]
@@ -369,7 +404,8 @@ def plot_locations(loc: pd.DataFrame, k: float, title: str = ""):
     ax.invert_yaxis()
     ax.set_xlabel("share of tokens")
     ax.legend(fontsize=7, ncols=3, loc="lower center", bbox_to_anchor=(0.5, 1.0))
-    ax.set_title(title or f"Where the large-value tokens (range > {k:g}× median) sit", pad=40)
+    definition = loc["definition"].iloc[0] if len(loc) else ""
+    ax.set_title(title or f"Where the large-value tokens ({definition}) sit", pad=40)
     return fig
 
 
@@ -382,7 +418,8 @@ def plot_top_tokens(tokens: pd.DataFrame, title: str = ""):
     ax.set_yticks(np.arange(len(tokens)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel("large-value (layer, head, position) entries")
-    ax.set_title(title or "Which tokens carry large values (@p: also seen as sink at position p)")
+    definition = tokens["definition"].iloc[0] if len(tokens) else ""
+    ax.set_title(title or f"Tokens with large values ({definition}); @p: also a sink at position p", fontsize=9)
     return fig
 
 
@@ -407,10 +444,13 @@ def plot_quant_error(
         sub = df[df["layer"] == li]
         if len(sub) > max_points:
             sub = sub.iloc[rng.choice(len(sub), max_points, replace=False)]
-        ax.scatter(sub["range"], sub[col], s=3, alpha=0.35, c=np.where(sub["position"] < SINKS, "#d62728", "#1f77b4"))
+        colors = np.where(sub["position"] < SINKS, "#d62728", "#1f77b4")
+        ax.scatter(sub["range"], sub[col], s=3, alpha=0.35, c=colors, rasterized=True)
         r = corr[(corr["layer"] == li) & (corr["bits"] == bits) & (corr["group_size"] == group_size)]
         rho = r["spearman_relative"].iloc[0] if len(r) else np.nan
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.tick_params(labelsize=7)
         ax.set_title(f"layer {li}: ρ = {rho:.2f}", fontsize=9)
         ax.set_xlabel("value range", fontsize=8)
         ax.set_ylabel("relative error", fontsize=8)
@@ -443,32 +483,41 @@ def plot_correlation_heatmap(corr: pd.DataFrame, title: str = ""):
 
 @dataclass
 class ValueAnalysis:
-    """Results of :func:`analyze`: the per-token records and the derived tables."""
+    """Results of :func:`analyze`: the per-token records and the derived tables.
+
+    ``locations`` and ``tokens`` hold one block per definition of "large" (column ``definition``).
+    """
 
     records: pd.DataFrame
     per_layer: pd.DataFrame
     locations: pd.DataFrame
     tokens: pd.DataFrame
     correlation: pd.DataFrame
-    k: float
+    definitions: tuple[str, ...]
 
 
 def analyze(
     records: pd.DataFrame,
     token_text: Callable[[int], str] | None = None,
-    k: float = 5.0,
+    large: Sequence[float | str] = ("5x", "top1%"),
     ks: Sequence[float] = (3, 5, 10),
     top: int = 20,
 ) -> ValueAnalysis:
-    """Every table of the analysis from the per-token records (:func:`token_records` of each capture)."""
-    ks = tuple(sorted(set(ks) | {k}))
+    """Every table of the analysis from the per-token records (:func:`token_records` of each capture).
+
+    Args:
+        large: the definitions of a large-value token for the location and token tables (:func:`flag_large`); a
+            k × median one alone may select nothing in a model without outliers, the top-fraction one always does.
+        ks: the multiples of the median whose exceedance shares :func:`per_layer_stats` reports.
+    """
+    ks = tuple(sorted(set(ks) | {v for kind, v in map(parse_large, large) if kind == "x"}))
     return ValueAnalysis(
         records,
         per_layer_stats(records, ks),
-        large_value_locations(records, k),
-        large_value_tokens(records, token_text, k, top),
+        pd.concat([large_value_locations(records, x) for x in large], ignore_index=True),
+        pd.concat([large_value_tokens(records, token_text, x, top) for x in large], ignore_index=True),
         quant_error_correlation(records),
-        k,
+        tuple(large_label(x) for x in large),
     )
 
 
@@ -502,10 +551,16 @@ def write_outputs(
     figs = {
         "value_distributions": plot_distributions(res.records, f"Value-state magnitude per layer{suffix}"),
         "large_value_share": plot_share_above(res.per_layer, f"Share of large-value tokens{suffix}"),
-        "large_value_positions": plot_locations(res.locations, res.k),
-        "large_value_tokens": plot_top_tokens(res.tokens),
         "quant_error_spearman": plot_correlation_heatmap(res.correlation),
     }
+    for i, definition in enumerate(res.definitions):
+        tag = "" if i == 0 else f"_{re.sub(r'[^a-z0-9]+', '_', definition.lower()).strip('_')}"
+        loc = res.locations[res.locations["definition"] == definition]
+        if loc["large_tokens"].sum() == 0:
+            logger.info("no large-value token (%s): no position / token figure for it", definition)
+            continue
+        figs[f"large_value_positions{tag}"] = plot_locations(loc)
+        figs[f"large_value_tokens{tag}"] = plot_top_tokens(res.tokens[res.tokens["definition"] == definition])
     settings = sorted({(int(b), int(g)) for b, g in zip(res.correlation["bits"], res.correlation["group_size"])})
     for b, g in settings if scatter is None else scatter:
         figs[f"quant_error_b{b}_g{g}"] = plot_quant_error(res.records, res.correlation, b, g)
