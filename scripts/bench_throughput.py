@@ -186,6 +186,8 @@ CSV_COLUMNS = [
     "est_tok_s",
     "ratio_vs_full",
     "ratio_vs_streaming",
+    "ratio_vs_full_paired",
+    "ratio_vs_streaming_paired",
     "load_1m",
     "wall_s",
 ]
@@ -615,19 +617,33 @@ def sweep_specs(args) -> list[dict]:
 
 
 def add_ratios(rows: list[dict], output_lens: list[int]) -> None:
-    """``ratio_vs_full`` (same output length) and ``ratio_vs_streaming`` (same budget and output length)."""
+    """``ratio_vs_full`` (same output length) and ``ratio_vs_streaming`` (same budget and output length).
+
+    Also ``*_paired``: with the interleaved schedule, run ``i`` of every config belongs to the same round, so the
+    per-round ratios are paired samples (a load drift between rounds cancels); their mean without min and max.
+    """
 
     def tput(r):
         v = r.get("est_tok_s") if r.get("protocol") == "steady" else r.get("decode_tok_s")
         return v if r.get("status") == "ok" and v else None
 
-    full = {r["output_len"]: tput(r) for r in rows if r["policy"] == "full"}
-    stream = {(r["budget"], r["output_len"]): tput(r) for r in rows if r["policy"] == "streaming"}
+    def runs(r):
+        text = r.get("decode_tok_s_runs") if r and r.get("status") == "ok" else None
+        return [float(x) for x in text.split(";")] if text else []
+
+    full = {r["output_len"]: r for r in rows if r["policy"] == "full"}
+    stream = {(r["budget"], r["output_len"]): r for r in rows if r["policy"] == "streaming"}
     for r in rows:
         v = tput(r)
-        f, s = full.get(r["output_len"]), stream.get((r["budget"], r["output_len"]))
-        r["ratio_vs_full"] = v / f if v and f else None
-        r["ratio_vs_streaming"] = v / s if v and s else None
+        for name, ref in (
+            ("full", full.get(r["output_len"])),
+            ("streaming", stream.get((r["budget"], r["output_len"]))),
+        ):
+            f = tput(ref) if ref else None
+            r[f"ratio_vs_{name}"] = v / f if v and f else None
+            a, b = runs(r), runs(ref)
+            paired = r.get("protocol") != "steady" and len(a) == len(b) and len(a) > 1
+            r[f"ratio_vs_{name}_paired"] = trimmed_mean([x / y for x, y in zip(a, b)]) if paired else None
 
 
 def add_estimates(rows: list[dict], output_lens: list[int]) -> list[dict]:
@@ -677,6 +693,99 @@ def _estimate(r: dict, start: dict | None, ends: dict) -> float | None:
     t_grow = grow * (line(p) + line(p + grow)) / 2
     t_ss = r["step_ms"] / 1e3
     return batch * n / (t_grow + (n - 1 - grow) * t_ss)
+
+
+def _ratio(r: dict, ref: str) -> float | None:
+    """The paired ratio when there is one (interleaved rounds), else the ratio of the trimmed means."""
+    paired = r.get(f"ratio_vs_{ref}_paired")
+    return paired if paired is not None else r.get(f"ratio_vs_{ref}")
+
+
+def check_targets(rows: list[dict], kvpress_ratio: float | None = None) -> list[dict]:
+    """The issue's targets, evaluated on the rows of one sweep (``full`` protocol, or ``est_tok_s`` when steady).
+
+    * ``vase_attnv`` / ``vase_dkv`` tokens/s >= 0.95x ``streaming`` at equal budget (every budget and output length);
+    * at output >= 8x budget every eviction policy faster than ``full``;
+    * allocated KV bytes == the static size from the config, every row;
+    * peak memory growth <= 2% between outputs of 4x and 16x the budget, every eviction policy (needs both lengths).
+    """
+    ok = [r for r in rows if r.get("status") == "ok" and "@" not in r["policy"]]
+    out = []
+    for name in ("vase_attnv", "vase_dkv"):
+        vals = [(r["budget"], r["output_len"], _ratio(r, "streaming")) for r in ok if r["policy"] == name]
+        vals = [v for v in vals if v[2] is not None]
+        if vals:
+            worst = min(vals, key=lambda v: v[2])
+            out.append(
+                dict(
+                    target=f"{name} >= 0.95x streaming",
+                    met=worst[2] >= 0.95,
+                    detail=f"min ratio {worst[2]:.3f} (B={worst[0]}, N={worst[1]}); all: "
+                    + ", ".join(f"{v[2]:.3f}" for v in vals),
+                )
+            )
+    long = [r for r in ok if r["kind"] == "eviction" and r["output_len"] >= 8 * r["budget"]]
+    if long:
+        slow = [r for r in long if not (_ratio(r, "full") or 0) > 1]
+        worst = min(long, key=lambda r: _ratio(r, "full") or 0)
+        out.append(
+            dict(
+                target="output >= 8x budget: every eviction policy faster than full",
+                met=not slow,
+                detail=f"min ratio {worst.get('ratio_vs_full') or float('nan'):.3f} ({worst['policy']}, "
+                f"B={worst['budget']}, N={worst['output_len']})"
+                + (f"; slower: {', '.join(r['policy'] for r in slow)}" if slow else ""),
+            )
+        )
+    bad = [r for r in ok if r.get("kv_bytes_equal") is not True]
+    out.append(
+        dict(
+            target="allocated KV bytes == static size",
+            met=not bad and bool(ok),
+            detail=f"{len(ok) - len(bad)}/{len(ok)} rows equal to the byte",
+        )
+    )
+    growth = []
+    for r in ok:
+        if r["kind"] != "eviction" or r["output_len"] != 16 * r["budget"]:
+            continue
+        base = next(
+            (
+                q
+                for q in ok
+                if q["policy"] == r["policy"] and q["budget"] == r["budget"] and q["output_len"] == 4 * r["budget"]
+            ),
+            None,
+        )
+        if base and base.get("peak_mem_bytes") and r.get("peak_mem_bytes"):
+            growth.append(
+                (
+                    r["policy"],
+                    r["peak_mem_bytes"] / base["peak_mem_bytes"] - 1,
+                    (r.get("peak_delta_bytes") or 0) - (base.get("peak_delta_bytes") or 0),
+                )
+            )
+    if growth:
+        worst = max(growth, key=lambda g: g[1])
+        out.append(
+            dict(
+                target="peak memory growth 4x -> 16x budget <= 2%",
+                met=worst[1] <= 0.02,
+                detail=f"max {100 * worst[1]:+.2f}% ({worst[0]}); per policy: "
+                + ", ".join(f"{g[0]} {100 * g[1]:+.2f}% ({g[2] / 2**20:+.1f} MiB)" for g in growth),
+            )
+        )
+    if kvpress_ratio is not None:
+        out.append(
+            dict(
+                target="snapkv >= 2x kvpress DecodingPress(SnapKVPress)",
+                met=kvpress_ratio >= 2,
+                detail=f"ratio {kvpress_ratio:.2f}",
+            )
+        )
+    for t in out:
+        print(f"[{'MET' if t['met'] else 'NOT MET'}] {t['target']}: {t['detail']}", flush=True)
+    return out
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -836,6 +945,9 @@ def parse_args(argv=None):
         "CPU, OpenMP threads waiting for a descheduled sibling make small decode steps 10x slower",
     )
     ap.add_argument("--out", default=None, help="output directory (default results/bench/<model>_<time>)")
+    ap.add_argument(
+        "--reanalyze", default=None, metavar="DIR", help="recompute ratios/targets/CSV/plot of DIR/rows.json"
+    )
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     pre, _ = ap.parse_known_args(argv)
     if pre.preset == "paper14b":  # the preset's values become the defaults; explicit options still win
@@ -937,12 +1049,13 @@ def run_benchmark(args) -> list[dict]:
     (out / "rows.json").write_text(json.dumps(rows, indent=2, default=str))
     table = print_table(rows)
     (out / "table.txt").write_text(table + "\n")
+    (out / "targets.json").write_text(json.dumps(check_targets(rows), indent=2))
     try:
         plot(rows, out / "bench")
     except Exception as err:  # noqa: BLE001 - the plot is a convenience; the CSV is the result
         print(f"plot failed: {err}", file=sys.stderr)
     print(
-        f"# wrote {out}/bench.csv, bench.png, bench.pdf, machine.json, table.txt ({time.perf_counter() - t0:.0f}s)",
+        f"# wrote {out}: bench.csv/png/pdf, machine.json, table.txt, targets.json ({time.perf_counter() - t0:.0f}s)",
         flush=True,
     )
     return rows
@@ -986,8 +1099,24 @@ def main(argv=None) -> int:
             row = run_config(spec)
         print(WORKER_TAG + json.dumps(row, default=str), flush=True)
         return 0
-    rows = run_benchmark(args)
+    if args.reanalyze:
+        rows = reanalyze(Path(args.reanalyze))
+    else:
+        rows = run_benchmark(args)
     return 0 if all(r.get("status") == "ok" for r in rows) else 1
+
+
+def reanalyze(out: Path) -> list[dict]:
+    """Recompute ratios, targets, CSV, table and plot from a finished sweep's ``rows.json`` (no new measurement)."""
+    rows = json.loads((out / "rows.json").read_text())
+    lens = sorted({r["output_len"] for r in rows})
+    add_ratios(rows, lens)
+    write_csv(rows, out / "bench.csv")
+    (out / "rows.json").write_text(json.dumps(rows, indent=2, default=str))
+    (out / "table.txt").write_text(print_table(rows) + "\n")
+    (out / "targets.json").write_text(json.dumps(check_targets(rows), indent=2))
+    plot(rows, out / "bench")
+    return rows
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="docs/figures/value_analysis", help="output directory (default: %(default)s)")
     p.add_argument(
         "--large",
-        default="5x,top1%%",
+        default="5x,top1%",
         help="definitions of a large-value token for the position/token analyses: kx (range > k x the median of its\n"
         "layer and head) and/or topP%% (the largest P%% per layer and head) (default: %(default)s)",
     )
@@ -152,7 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.records:
         records = pd.read_csv(args.records)
         tokenizer = load_tokenizer(spec)
-        facts = {"records_from": str(args.records)}
+        previous = Path(args.records).with_name("summary.json")  # the decoding run's facts, when next to it
+        facts = json.loads(previous.read_text()) if previous.exists() else {}
+        facts["records_from"] = Path(args.records).name
         layers = sorted(int(x) for x in records["layer"].unique())
         print(f"{len(records)} records from {args.records}")
     else:
@@ -161,15 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     title = f"{spec.name}, {task.name}, {records['problem_id'].nunique()} problems"
     formats = [f for f in args.formats.split(",") if f]
     paths = write_outputs(res, args.out, formats=formats, title=title, save_records=args.save_records)
+    settings = sorted(
+        {tuple(int(x) for x in c[len("qerr_b") :].split("_g")) for c in records if c.startswith("qerr_b")}
+    )
     summary = {
+        **facts,
         "model": spec.name,
         "task": task.name,
         "layers": layers,
         "records": len(records),
         "large": large,
-        "bits": bits,
-        "group_sizes": groups,
-        **facts,
+        "bits": sorted({b for b, _ in settings}),
+        "group_sizes": sorted({g for _, g in settings}),
     }
     Path(args.out, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 

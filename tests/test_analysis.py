@@ -316,12 +316,15 @@ def test_ratio_operating_point_matches_runner(tmp_path: Path):
         budget = A.resolve_budget(256, ratio, 16)
         make_run(root, f"s{ratio}", "gsm8k", "snapkv", budget, {"p0": [1, 0]}, ratio=ratio, window=16, reference=256)
     make_run(root, "explicit", "gsm8k", "snapkv", 96, {"p0": [1, 1]}, ratio=4, window=16, reference=256)
+    # an explicit budget equal to the ratio-derived one is ambiguous from config.yaml alone; budget_source decides
+    d = make_run(root, "explicit64", "gsm8k", "snapkv", 64, {"p0": [1, 1]}, ratio=4, window=16, reference=256)
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    (d / "config.yaml").write_text(yaml.safe_dump({**cfg, "budget_source": "explicit"}))
     tree = A.load_tree(root)
-    assert sorted(tree.runs["op"]) == ["2x", "4x", "B=96"]
+    assert sorted(tree.runs["op"]) == ["2x", "4x", "B=64", "B=96"]
     res = A.FigureResult()
     A.figure_accuracy_vs_budget(A.summarize(tree), res)
-    assert list(res.figures) == ["accuracy_vs_ratio_m_gsm8k"]  # the explicit-budget run is a single point
-    assert "no policy at two budget values" in dict(res.skipped)["accuracy_vs_budget_m_gsm8k"]
+    assert list(res.figures) == ["accuracy_vs_ratio_m_gsm8k", "accuracy_vs_budget_m_gsm8k"]
 
 
 def test_tables_written_and_csv_values(tree_dir: Path, tmp_path: Path):

@@ -58,8 +58,14 @@ def test_layers_are_compared_at_the_same_eviction_only():
 
 
 def fake_cache(rows: int = 3):
-    cache = SimpleNamespace(geometry=SimpleNamespace(rows=rows), on_evict=None, selected=[])
-    cache.select_rows = lambda index: cache.selected.append(index.tolist())
+    """What the recorder uses of a VaseCache: geometry, on_evict, row_ids kept in step by select_rows."""
+    cache = SimpleNamespace(geometry=SimpleNamespace(rows=rows), on_evict=None, selected=[], row_ids=list(range(rows)))
+
+    def select_rows(index):
+        cache.selected.append(index.tolist())
+        cache.row_ids = [cache.row_ids[i] for i in index.tolist()]
+
+    cache.select_rows = select_rows
     return cache
 
 
@@ -67,7 +73,7 @@ def test_recorder_follows_rows_and_caps_memory(tmp_path: Path):
     cache = fake_cache(3)
     rec = KeptSetRecorder(every=2, max_events_per_layer=2)
     rec.attach(cache, problem_id="q/1", samples=[4, 5, 6])
-    layer = SimpleNamespace(layer_idx=1)
+    layer = SimpleNamespace(layer_idx=1, owner=cache)
     kept = torch.tensor([[[3, 1, 2]], [[0, 1, 2]], [[5, 6, 7]]])
     for _ in range(3):
         cache.on_evict(layer, None, kept)  # evictions 0, 1, 2 -> 0 and 2 recorded
@@ -86,6 +92,18 @@ def test_recorder_follows_rows_and_caps_memory(tmp_path: Path):
     np.testing.assert_array_equal(loaded[1].kept, rec.events[1].kept)
     assert diversity_from_run(tmp_path)["samples"] == pytest.approx((0.5 + 0 + 0 + 0) / 4)  # 3 pairs at 2, 1 at 4
     assert diversity_from_run(tmp_path / "nothing") is None
+
+
+def test_recorder_reads_the_caches_row_ids():
+    """The recorder labels rows with the cache's ``row_ids`` (kept in step by ``select_rows``), never wraps it."""
+    cache = fake_cache(3)
+    original = cache.select_rows
+    rec = KeptSetRecorder()
+    rec.attach(cache, samples=[7, 8, 9])
+    assert cache.row_ids == [7, 8, 9] and cache.select_rows is original
+    cache.row_ids = [7, 9]  # what the cache's select_rows([0, 2]) does
+    cache.on_evict(SimpleNamespace(layer_idx=0, owner=cache), None, torch.zeros(2, 1, 3, dtype=torch.long))
+    assert rec.events[0].samples.tolist() == [7, 9]
 
 
 def test_recorder_bad_settings():

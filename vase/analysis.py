@@ -16,10 +16,10 @@ Definitions:
 * **Policy identity** (the ``policy`` column): the policy's name plus every hyper-parameter that varies across the
   tree's runs of that policy and differs from the policy class's default, e.g. ``vase_attnv[attn_temperature=2.0]``
   (an ablation sweep gives one row per setting). ``budget`` is an axis, never part of the identity.
-* **Operating point** (``op``): ``4x`` for a run whose budget was derived from ``ratio`` (the saved budget equals the
-  runner's ``reference output tokens / ratio`` rounded to the window, recomputed from the saved task config), else
-  ``B=<budget>`` (an explicit ``budget=``). The full cache is independent of it (``op = "full"``) and appears in every
-  table of its model and task.
+* **Operating point** (``op``): ``4x`` for a run whose budget was derived from ``ratio``, else ``B=<budget>`` (an
+  explicit ``budget=``): the run's ``budget_source`` when it records one, else judged from the saved config (the saved
+  budget equals the runner's ``reference output tokens / ratio`` rounded to the window). The full cache is
+  independent of it (``op = "full"``) and appears in every table of its model and tasks.
 * **Accuracy** (pass@1, %): per-problem accuracy (mean over its samples), then mean over problems. Runs of the same
   identity (seeds, shards, resumes) are pooled; a sample is counted once (``problem_id``, ``sample``, ``seed``).
 * **Standard error** (%): ``std(per-problem accuracy, ddof=1) / sqrt(n_problems)``.
@@ -307,7 +307,7 @@ def load_run(run_dir: str | Path, run_id: int = 0) -> tuple[dict, pd.DataFrame, 
     run = {
         "run_id": run_id,
         "run_dir": str(run_dir),
-        "ratio_derived": _ratio_derived(config),
+        "ratio_derived": _ratio_derived(config, metrics),
         "model": _get(config, "model.key") or m.get("model") or _get(protocol, "model.key") or "unknown",
         "task": _get(config, "task.name") or m.get("task") or _get(protocol, "task.name") or "unknown",
         "policy_name": name,
@@ -333,8 +333,16 @@ def resolve_budget(reference_tokens: int, ratio: float, window: int) -> int:
     return max(2, round(reference_tokens / ratio / window)) * window
 
 
-def _ratio_derived(config: dict) -> bool:
-    """Whether the run's budget came from ``ratio`` (not an explicit ``budget=``), judged from its saved config."""
+def _ratio_derived(config: dict, metrics: dict | None = None) -> bool:
+    """Whether the run's budget came from ``ratio`` (not an explicit ``budget=``).
+
+    A run that records ``budget_source`` (``"ratio"`` or ``"explicit"``, in ``config.yaml`` or ``metrics.json``) says
+    so. Otherwise it is judged from the saved config: the budget equals the runner's rule applied to the task's
+    reference length and ``ratio`` (an explicit budget that happens to equal it is then taken for a ratio one).
+    """
+    source = config.get("budget_source") or (metrics or {}).get("budget_source")
+    if source in ("ratio", "explicit"):
+        return source == "ratio"
     refs = _get(config, "task.reference_output_tokens") or {}
     key = _get(config, "model.key")
     ref = refs.get(key, refs.get("default")) if isinstance(refs, dict) else None
@@ -895,9 +903,11 @@ def paper_tables(summary: pd.DataFrame, diversity: pd.DataFrame | None = None) -
             ]
     if diversity is not None and not diversity.empty:
         disp = diversity.copy()
-        for c in ("heads", "layers", "samples"):
-            if c in disp:
+        for c in disp.columns:
+            if c in ("heads", "layers", "samples"):
                 disp[c] = disp[c].map(lambda x: _fmt(x, 3))
+            elif c == "events" or c.endswith("_pairs") or c == "budget":
+                disp[c] = disp[c].map(lambda x: _fmt(float(x), 0))
         tables.append(
             Table(
                 "diversity",

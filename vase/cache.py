@@ -137,8 +137,12 @@ class VaseLayer(CacheLayerMixin):
         first_pos = self.owner.seen_tokens
         self.keys[:rows, :, start:end] = key_states
         self.values[:rows, :, start:end] = value_states
-        pos = torch.arange(first_pos, first_pos + n_new, device=self.positions.device)
-        self.positions[:rows, :, start:end] = pos
+        if n_new == 1:
+            self.positions[:rows, :, start].fill_(first_pos)
+        else:
+            self.positions[:rows, :, start:end] = torch.arange(
+                first_pos, end - start + first_pos, device=self.positions.device
+            )
         self.length = end
         self.counters.held = end
         if key_states.shape[0] == 1 and rows > 1 and start == 0:
@@ -311,6 +315,7 @@ class VaseCache(Cache):
         self.check_policy_output = check_policy_output
         self.seen_tokens = 0  # absolute position of the next token (true positions, never the held length)
         self.on_evict = None  # optional callback(layer, idx, kept_positions) for analyses (cache diversity)
+        self.row_ids = list(range(geometry.rows))  # the caller's id (e.g. sample index) of each live row
         super().__init__(layers=[VaseLayer(i, self) for i in range(geometry.num_layers)])
 
     # ---- driven by the decode loop -------------------------------------------------------------------------
@@ -331,6 +336,7 @@ class VaseCache(Cache):
         """Drop finished rows: keep ``index`` (sorted int64 row indices) in place, without re-allocating."""
         keep = index.tolist()
         self.evict_generators = [self.evict_generators[i] for i in keep]
+        self.row_ids = [self.row_ids[i] for i in keep]
         for layer in self.layers:
             layer.select_rows(index.to(layer.keys.device))
 

@@ -11,8 +11,8 @@ Recording (opt-in, during a run)::
 At each eviction the cache calls ``cache.on_evict(layer, idx, kept_positions)`` with ``kept_positions
 (rows, H, budget - window)``: the absolute positions of the candidates kept. The recorder stores them as sorted int32
 arrays together with the layer, the layer's eviction index (all layers evict at the same decode steps, so equal
-indices are simultaneous) and the sample index of each live row (rows that finish leave the batch; the recorder
-follows ``cache.select_rows`` to keep the mapping right).
+indices are simultaneous) and the sample index of each live row (rows that finish leave the batch: the recorder
+reads ``cache.row_ids``, which the cache keeps in step with ``select_rows``).
 
 Analysis: the mean Jaccard overlap ``|A ∩ B| / |A ∪ B|`` of kept sets
 
@@ -83,7 +83,10 @@ class KeptSetRecorder:
         self._counts: dict[int, int] = defaultdict(int)
 
     def attach(self, cache, problem_id: str = "", samples: Sequence[int] | None = None) -> None:
-        """Start recording ``cache``'s evictions (sets ``cache.on_evict``; follows ``cache.select_rows``).
+        """Start recording ``cache``'s evictions (sets ``cache.on_evict``).
+
+        Rows that finish leave the batch: the sample index of each live row is read from ``cache.row_ids`` (set here
+        to ``samples``; the cache keeps it in step with ``select_rows``). No reference to the cache is kept.
 
         Args:
             cache: a freshly built :class:`vase.cache.VaseCache` (use generate's ``on_cache`` hook).
@@ -96,13 +99,7 @@ class KeptSetRecorder:
             raise ValueError(f"samples: {len(self._rows)} sample ids for a cache of {cache.geometry.rows} rows")
         self._counts = defaultdict(int)
         cache.on_evict = self._on_evict
-        inner = cache.select_rows
-
-        def select_rows(index) -> None:
-            self._rows = [self._rows[i] for i in index.tolist()]
-            inner(index)
-
-        cache.select_rows = select_rows  # instance attribute: only this cache, only this generation
+        cache.row_ids = list(self._rows)  # the cache keeps it in step with select_rows
 
     def _on_evict(self, layer, idx, kept_positions) -> None:
         li = int(layer.layer_idx)
@@ -111,7 +108,7 @@ class KeptSetRecorder:
         if (self.layers is not None and li not in self.layers) or count % self.every:
             return
         kept = np.sort(kept_positions.detach().to("cpu").numpy().astype(np.int32), axis=-1)
-        samples = np.asarray(self._rows[: kept.shape[0]], dtype=np.int32)
+        samples = np.asarray(layer.owner.row_ids[: kept.shape[0]], dtype=np.int32)
         self.events.append(KeptEvent(self._problem, li, count, samples, kept))
         if self.max_events_per_layer is not None:
             mine = [i for i, e in enumerate(self.events) if e.problem_id == self._problem and e.layer == li]

@@ -121,6 +121,7 @@ class Prepared:
     thinking: bool
     run_dir: Path
     protocol: dict
+    explicit_budget: bool
 
 
 def prepare(cfg: DictConfig) -> Prepared:
@@ -133,7 +134,8 @@ def prepare(cfg: DictConfig) -> Prepared:
         task_cfg["n_samples"] = cfg.n_samples
     task = build(task_cfg, "task")
     model_spec = build(cfg.model, "model")
-    if cfg.budget is None:
+    explicit_budget = cfg.budget is not None
+    if not explicit_budget:
         budget = resolve_budget(task.reference_tokens(model_spec.key), cfg.ratio, cfg.window)
         OmegaConf.update(cfg, "budget", budget, force_add=True)
     policy = build(cfg.policy, "policy")
@@ -159,7 +161,19 @@ def prepare(cfg: DictConfig) -> Prepared:
         if task.num_shards > 1:
             tag += f"-shard{task.shard}of{task.num_shards}"
         run_dir = Path(cfg.results_dir) / task.name / model_spec.key / tag
-    return Prepared(cfg, task, model_spec, policy, sampling, task.n_samples, max_length, thinking, run_dir, protocol)
+    return Prepared(
+        cfg,
+        task,
+        model_spec,
+        policy,
+        sampling,
+        task.n_samples,
+        max_length,
+        thinking,
+        run_dir,
+        protocol,
+        explicit_budget,
+    )
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -201,6 +215,7 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
         if todo:
             _decode(prep, todo, done_rows, run_dir, run_logger, progress)
         info = {
+            "budget_source": "explicit" if prep.explicit_budget else "ratio",
             "policy": prep.policy.name,
             "task": prep.task.name,
             "model": prep.model_spec.key,
@@ -251,6 +266,11 @@ def _decode(prep: Prepared, todo, done_rows, run_dir: Path, run_logger, progress
             "policy": prep.policy.describe(),
         },
     )
+    recorder = None
+    if cfg.get("record_kept", False):
+        from vase.diversity import KeptSetRecorder
+
+        recorder = KeptSetRecorder()
     correct_so_far = [bool(r["correct"]) for r in done_rows]
     tokens_total, seconds_total = 0, 0.0
     bar = tqdm(todo, desc=f"{prep.task.name}/{prep.policy.name}", unit="problem", disable=not progress)
@@ -269,7 +289,15 @@ def _decode(prep: Prepared, todo, done_rows, run_dir: Path, run_logger, progress
             seeds=[seeds[i] for i in missing],
             attn_backend=cfg.generation.attn_backend,
             sync_every=cfg.generation.sync_every,
+            on_cache=None
+            if recorder is None
+            else (lambda cache, pid=problem.id, rows=missing: recorder.attach(cache, problem_id=pid, samples=rows)),
         )
+        if recorder is not None:
+            from vase.diversity import kept_sets_path
+
+            recorder.dump(kept_sets_path(run_dir, problem.id))
+            recorder.clear()
         texts = [tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
         grades = prep.task.grade_many([(problem, t) for t in texts], thinking=prep.thinking)
         st = out.stats

@@ -429,7 +429,7 @@ def plot_quant_error(
     bits: int,
     group_size: int,
     title: str = "",
-    max_points: int = 4000,
+    max_points: int = 2500,
     seed: int = 0,
 ):
     """Per layer: scatter of value range vs relative quantization error (b bits, groups of g), Spearman in titles."""
@@ -444,8 +444,10 @@ def plot_quant_error(
         sub = df[df["layer"] == li]
         if len(sub) > max_points:
             sub = sub.iloc[rng.choice(len(sub), max_points, replace=False)]
-        colors = np.where(sub["position"] < SINKS, "#d62728", "#1f77b4")
-        ax.scatter(sub["range"], sub[col], s=3, alpha=0.35, c=colors, rasterized=True)
+        x = np.clip(sub["range"].to_numpy(dtype=float), 1e-6, None)
+        ax.hexbin(x, sub[col], xscale="log", gridsize=28, mincnt=1, bins="log", cmap="Blues", linewidths=0)
+        sinks = sub[sub["position"] < SINKS]
+        ax.scatter(np.clip(sinks["range"], 1e-6, None), sinks[col], s=6, c="#d62728", linewidths=0)
         r = corr[(corr["layer"] == li) & (corr["bits"] == bits) & (corr["group_size"] == group_size)]
         rho = r["spearman_relative"].iloc[0] if len(r) else np.nan
         ax.set_xscale("log")
@@ -565,5 +567,5 @@ def write_outputs(
     for b, g in settings if scatter is None else scatter:
         figs[f"quant_error_b{b}_g{g}"] = plot_quant_error(res.records, res.correlation, b, g)
     for name, fig in figs.items():
-        paths += save_figure(fig, out, name, formats, dpi=110)
+        paths += save_figure(fig, out, name, formats, dpi=100)
     return paths
