@@ -111,7 +111,7 @@ def kvpress_worker(spec: dict) -> dict:
             tokens = torch.empty((batch, n_new), dtype=torch.long, device=device)
             tokens[:, 0] = tok
             positions = torch.arange(p, p + n_new, device=device)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             for i in range(1, n_new):
                 out = model(
                     input_ids=tok.view(-1, 1),
@@ -123,10 +123,17 @@ def kvpress_worker(spec: dict) -> dict:
                 tokens[:, i] = tok  # no host synchronisation per step: the tokens stay on the device
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            decode = time.perf_counter() - t1
+            decode, cpu = time.perf_counter() - t1, time.process_time() - c1
         held = cache.get_seq_length()
         kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-        return dict(prefill_seconds=prefill, decode_seconds=decode, decode_tokens=batch * n_new, held=held, kv_bytes=kv)
+        return dict(
+            prefill_seconds=prefill,
+            decode_seconds=decode,
+            cpu_step_seconds=cpu / max(n_new - 1, 1),
+            decode_tokens=batch * n_new,
+            held=held,
+            kv_bytes=kv,
+        )
 
     for _ in range(spec["warmup"]):
         once(min(n, spec.get("warmup_steps") or n))
@@ -142,6 +149,9 @@ def kvpress_worker(spec: dict) -> dict:
         threads=torch.get_num_threads(),
         tok_s_runs=[r["decode_tokens"] / r["decode_seconds"] for r in runs],
         step_ms_runs=[1e3 * r["decode_seconds"] / max(n - 1, 1) for r in runs],
+        cpu_tok_s_runs=[r["decode_tokens"] / (max(n - 1, 1) * r["cpu_step_seconds"]) for r in runs]
+        if device.type == "cpu"
+        else [],
         held_tokens_end=runs[-1]["held"],
         kv_bytes_end=runs[-1]["kv_bytes"],
         peak_mem_bytes=mem.peak,
@@ -169,6 +179,9 @@ def ours_worker(spec: dict) -> dict:
         threads=torch.get_num_threads(),
         tok_s_runs=[s["decode_tokens"] / s["decode_seconds"] for s in job.outs],
         step_ms_runs=[1e3 * s["decode_seconds"] / max(n - 1, 1) for s in job.outs],
+        cpu_tok_s_runs=[s["decode_tokens"] / (max(n - 1, 1) * s["cpu_step_seconds"]) for s in job.outs]
+        if all(s.get("cpu_step_seconds") for s in job.outs)
+        else [],
         eviction_share=row.get("eviction_share"),
         held_tokens_mean=row.get("held_tokens"),
         kv_bytes_end=row.get("kv_cache_bytes"),
@@ -199,6 +212,7 @@ def compare(args) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = bt.machine_info(args.device)
+    info["worker_threads"] = args.threads
     check = (
         subprocess.run(
             [
@@ -259,6 +273,9 @@ def compare(args) -> list[dict]:
         for side in ("ours", "kvpress"):
             runs = [x for g in res[side] for x in g["tok_s_runs"]]
             steps = [x for g in res[side] for x in g["step_ms_runs"]]
+            cpu = [x for g in res[side] for x in g.get("cpu_tok_s_runs", [])]
+            row[f"{side}_cpu_tok_s"] = bt.trimmed_mean(cpu) if cpu else None
+            row[f"{side}_cpu_tok_s_runs"] = ";".join(f"{x:.2f}" for x in cpu)
             row[f"{side}_tok_s"] = bt.trimmed_mean(runs) if runs else None
             row[f"{side}_tok_s_runs"] = ";".join(f"{x:.2f}" for x in runs)
             row[f"{side}_step_ms"] = bt.trimmed_mean(steps) if steps else None
@@ -275,6 +292,11 @@ def compare(args) -> list[dict]:
                 row[f"{side}_{k}"] = last.get(k)
             if side == "kvpress" and last:
                 info["kvpress_env"].update(threads=last.get("threads"))
+        row["ratio_ours_vs_kvpress_cpu"] = (
+            row["ours_cpu_tok_s"] / row["kvpress_cpu_tok_s"]
+            if row["ours_cpu_tok_s"] and row["kvpress_cpu_tok_s"]
+            else None
+        )
         row["ratio_ours_vs_kvpress"] = (
             row["ours_tok_s"] / row["kvpress_tok_s"] if row["ours_tok_s"] and row["kvpress_tok_s"] else None
         )
@@ -287,15 +309,18 @@ def compare(args) -> list[dict]:
         w = csv.DictWriter(f, fieldnames=list(rows[0]), extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    hdr = f"{'output':>7}{'ours tok/s':>12}{'kvpress tok/s':>15}{'ratio':>8}{'ours peak MiB':>15}{'kvp peak MiB':>14}"
+    hdr = (
+        f"{'output':>7}{'ours tok/s':>12}{'kvpress tok/s':>15}{'ratio':>8}{'ratio cpu':>11}"
+        f"{'ours peak MiB':>15}{'kvp peak MiB':>14}"
+    )
     print(hdr)
     for r in rows:
-        f = lambda v, s: format(v, s) if isinstance(v, (int, float)) else "-"
+        f = lambda v, s: format(v, s) if isinstance(v, (int, float)) else "-".rjust(int(s.split(".")[0]))
         mib = lambda v: v / 2**20 if isinstance(v, (int, float)) else None
         print(
             f"{r['output_len']:>7}{f(r['ours_tok_s'], '12.1f')}{f(r['kvpress_tok_s'], '15.1f')}"
-            f"{f(r['ratio_ours_vs_kvpress'], '8.2f')}{f(mib(r['ours_peak_mem_bytes']), '15.1f')}"
-            f"{f(mib(r['kvpress_peak_mem_bytes']), '14.1f')}"
+            f"{f(r['ratio_ours_vs_kvpress'], '8.2f')}{f(r['ratio_ours_vs_kvpress_cpu'], '11.2f')}"
+            f"{f(mib(r['ours_peak_mem_bytes']), '15.1f')}{f(mib(r['kvpress_peak_mem_bytes']), '14.1f')}"
         )
     print(f"# wrote {out}/kvpress.csv, kvpress.json")
     return rows
