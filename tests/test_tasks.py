@@ -92,7 +92,7 @@ def test_stand_in_configs() -> None:
     gsm = instantiate(_config("gsm_symbolic"))
     he = instantiate(_config("humaneval"))
     assert gsm.n_samples in (1, 2) and he.n_samples == 1
-    assert (gsm.max_length, he.max_length) == (4096, 2048)
+    assert (gsm.max_length, he.max_length) == (1024, 2048)
     assert not gsm.thinking and not he.thinking
     assert gsm.reference_tokens("default") == 256
     assert (gsm.limit, he.limit, gsm.window, he.window) == (8, 8, 16, 16)  # a few problems on CPU; short window
