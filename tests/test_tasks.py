@@ -94,7 +94,7 @@ def test_stand_in_configs() -> None:
     assert gsm.n_samples in (1, 2) and he.n_samples == 1
     assert (gsm.max_length, he.max_length) == (1024, 2048)
     assert not gsm.thinking and not he.thinking
-    assert gsm.reference_tokens("default") == 256
+    assert (gsm.reference_tokens("default"), he.reference_tokens("default")) == (512, 1024)  # budgets > prompts
     assert (gsm.limit, he.limit, gsm.window, he.window) == (8, 8, 16, 16)  # a few problems on CPU; short window
     assert instantiate(_config("gsm8k")).limit == 500
     assert instantiate(_config("aime25")).window is None  # the runner's default (64)
