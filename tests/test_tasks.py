@@ -6,6 +6,8 @@ import importlib.util
 import json
 import os
 import re
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -19,7 +21,16 @@ from tasks.gpqa import GPQA_INSTRUCTION, GPQADiamond, format_question, split_opt
 from tasks.math_tasks import AIME, AIME25, AIME26, GSM8K, HMMT25, MATH500, MATH_SUFFIX, GSMSymbolic
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "tasks"
+_FIXTURE_SRC = Path(__file__).resolve().parent / "fixtures" / "tasks"
+# The hand-written fixtures are stored as `<name>.fixture.jsonl` (so no committed file shares a benchmark file's
+# name); tasks read `<name>.jsonl` from `data_dir`, so they are laid out under their real names in a temp dir.
+FIXTURES = Path(tempfile.mkdtemp(prefix="vase-task-fixtures-"))
+for _src in _FIXTURE_SRC.rglob("*"):
+    if _src.is_file():
+        _dst = FIXTURES / _src.relative_to(_FIXTURE_SRC)
+        _dst = _dst.with_name(_dst.name.replace(".fixture.jsonl", ".jsonl"))
+        _dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_src, _dst)
 SHARED = Path(os.environ.get("VASE_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 CONFIG_NAMES = [
     "aime25",
