@@ -773,7 +773,7 @@ def check_targets(rows: list[dict], kvpress_ratio: float | None = None) -> list[
             dict(
                 target=f"output >= 8x budget: every eviction policy faster than full ({timer('full')})",
                 met=not slow,
-                detail=f"min ratio {worst.get('ratio_vs_full') or float('nan'):.3f} ({worst['policy']}, "
+                detail=f"min ratio {_ratio(worst, 'full') or float('nan'):.3f} ({worst['policy']}, "
                 f"B={worst['budget']}, N={worst['output_len']})"
                 + (f"; slower: {', '.join(r['policy'] for r in slow)}" if slow else ""),
             )

@@ -75,6 +75,13 @@ def test_policy_runs_on_tiny_model(tiny, name):
     run_and_check(tiny, prompt, name, budget=32, window=8, new_tokens=100)  # ~10 evictions per layer
 
 
+@pytest.mark.parametrize("name", ALL_CONFIGS)
+def test_policy_runs_with_prompt_longer_than_budget(tiny, name):
+    """A prompt of 70 tokens against budget 32: eviction starts at the prompt, Quest selects from the first step."""
+    prompt = torch.randint(0, tiny.config.vocab_size, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    run_and_check(tiny, prompt, name, budget=32, window=8, new_tokens=40)
+
+
 @pytest.mark.parametrize("name", ["vase_attnv", "vase_dkv"])
 def test_stochastic_policies_are_reproducible_end_to_end(tiny, name):
     prompt = list(range(1, 21))
