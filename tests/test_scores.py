@@ -67,6 +67,17 @@ def test_windowed_attention_matches_reference(hq, h, temperature, kernel):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("chunk", [1, 27, 100, 10**9], ids=["one-slice", "two-slices", "odd", "one-shot"])
+def test_windowed_attention_chunking_does_not_change_the_result(chunk):
+    # (G*Wq, N) = (6, 9): 54 logits per (row, KV head), 2 x 3 slices. Chunks of 1 slice, 2 slices, 1 slice (100 // 54)
+    # and everything at once must give the same bits.
+    q, k = _randn(2, 6, 2, 4, seed=5), _randn(2, 3, 9, 4, seed=6)
+    got = windowed_attention_score(q, k, scaling=0.5, max_chunk_elements=chunk)
+    want = windowed_attention_score(q, k, scaling=0.5, max_chunk_elements=10**9)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got.double(), ref_windowed_attention(q, k, 0.5, 1.0, 5), rtol=1e-5, atol=1e-7)
+
+
 def test_windowed_attention_smooths_along_positions_when_given():
     q, k = _randn(2, 4, 3, 4, seed=3), _randn(2, 2, 8, 4, seed=4)
     pos = (

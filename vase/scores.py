@@ -30,6 +30,7 @@ def windowed_attention_score(
     temperature: float = 1.0,
     smooth_kernel: int = 5,
     positions: torch.Tensor | None = None,
+    max_chunk_elements: int | None = None,
 ) -> torch.Tensor:
     """How much the recent window attends to each candidate.
 
@@ -47,20 +48,37 @@ def windowed_attention_score(
         smooth_kernel: odd pool kernel; 0 or 1 turns smoothing off.
         positions: ``(B, H, N)`` absolute positions. ``None`` pools along the storage axis (neighbours in the cache,
             what the authors' code does); given, pools along increasing position (neighbours in the text).
+        max_chunk_elements: bound on the float32 logits held at once (default: 2**19 on CPU, 2**26 on GPU); the
+            result does not depend on it.
 
     Returns:
         ``(B, H, N)`` float32, each (row, head) summing to 1 before smoothing.
     """
     b, hq, wq, d = queries.shape
-    h = keys.shape[1]
+    h, n = keys.shape[1], keys.shape[2]
     if hq % h:
         raise ValueError(f"queries: {hq} query heads is not a multiple of {h} KV heads")
-    q = queries.float().reshape(b, h, (hq // h) * wq, d)  # the group's queries, stacked
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * (scaling / temperature)  # (B, H, G*Wq, N)
-    score = logits.softmax(dim=-1).mean(dim=-2)  # mean over window queries and group heads: (B, H, N)
+    gw = (hq // h) * wq
+    q = queries.reshape(b * h, gw, d)  # the group's queries, stacked, per (row, KV head)
+    k = keys.reshape(b * h, n, d)
+    score = torch.empty((b * h, n), dtype=torch.float32, device=keys.device)
+    # The (G*Wq, N) float32 logits of a (row, KV head) are built a few slices at a time: on CPU a chunk then stays in
+    # cache (3x faster at 16 rows x 2048 candidates), on GPU it bounds the transient (1 GB at once for a 14B model at
+    # batch 16, 6K tokens). Each slice is computed exactly as the one-shot version, so the result is identical.
+    step = max(1, (max_chunk_elements or _default_chunk(keys.device)) // max(gw * n, 1))
+    for s in range(0, b * h, step):
+        logits = torch.matmul(q[s : s + step].float(), k[s : s + step].float().transpose(-1, -2))
+        logits.mul_(scaling / temperature)  # (chunk, G*Wq, N)
+        score[s : s + step] = logits.softmax(dim=-1).mean(dim=-2)  # mean over window queries and group heads
+    score = score.view(b, h, n)
     if smooth_kernel > 1:
         score = _smooth(score, smooth_kernel, positions)
     return score
+
+
+def _default_chunk(device: torch.device) -> int:
+    """Float32 elements of windowed-attention logits built at once: ~2 MB (stays in a CPU core's L2) or 256 MB."""
+    return 2**19 if device.type == "cpu" else 2**26
 
 
 def _smooth(score: torch.Tensor, kernel: int, positions: torch.Tensor | None) -> torch.Tensor:
