@@ -766,6 +766,8 @@ def check_targets(rows: list[dict], kvpress_ratio: float | None = None) -> list[
                 )
             )
     long = [r for r in ok if r["kind"] == "eviction" and r["output_len"] >= 8 * r["budget"]]
+    if long and not any(r["policy"] == "full" for r in ok):
+        long = []  # no full-cache row in this sweep (--policies without full): the target is not evaluated
     if long:
         slow = [r for r in long if not (_ratio(r, "full") or 0) > 1]
         worst = min(long, key=lambda r: _ratio(r, "full") or 0)

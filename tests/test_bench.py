@@ -110,7 +110,7 @@ def test_steady_protocol_estimates_every_output_length(tmp_path):
         TINY
         + [
             "--policies",
-            "full,streaming,vase_attnv",
+            "full,streaming,vase_attnv,quest",
             "--budgets",
             "16,32",
             "--output-lens",
@@ -137,6 +137,22 @@ def test_steady_protocol_estimates_every_output_length(tmp_path):
     assert by[("full", 0, 96)]["capacity"] == 24 + 96
     assert all(r["est_tok_s"] and r["est_tok_s"] > 0 for r in rows if "@" not in r["policy"])
     assert ("full@start", 0, 96) in by
+    # a selection policy decodes after a prompt longer than its budget (P + N - S = 56 > 16)
+    assert by[("quest", 16, 64)]["run_prompt_len"] == 24 + 64 - 32 and by[("quest", 16, 64)]["est_tok_s"] > 0
+
+
+def test_targets_without_full_rows_do_not_judge_the_full_cache_target():
+    rows = [
+        dict(policy=name, status="ok", kind="eviction", budget=16, output_len=256, kv_bytes_equal=True,
+             ratio_vs_streaming=ratio, ratio_vs_full=None)
+        for name, ratio in (("streaming", 1.0), ("vase_attnv", 0.97), ("vase_dkv", 0.9))
+    ]  # fmt: skip
+    targets = {t["target"].split(" (")[0]: t for t in bt.check_targets(rows)}
+    assert not any("faster than full" in t for t in targets)
+    assert targets["vase_attnv >= 0.95x streaming"]["met"] and not targets["vase_dkv >= 0.95x streaming"]["met"]
+    rows.append(dict(rows[0], policy="full", kind="none", budget=0, ratio_vs_full=1.0))
+    targets = [t for t in bt.check_targets(rows) if "faster than full" in t["target"]]
+    assert len(targets) == 1 and not targets[0]["met"]  # no eviction row has a ratio against full above 1
 
 
 def test_paper14b_preset_settings():
