@@ -91,6 +91,17 @@ def test_budget_from_ratio_and_reference():
     assert prepare(cfg).policy.budget == 2048
 
 
+def test_full_cache_run_is_shared_by_every_ratio():
+    dirs = {
+        r: prepare(_compose(["model=tiny", "task=gsm_symbolic", f"ratio={r}", "policy=full"])).run_dir for r in (2, 8)
+    }
+    assert dirs[2] == dirs[8] and "-b" not in dirs[2].name
+    evict = {
+        r: prepare(_compose(["model=tiny", "task=gsm_symbolic", f"ratio={r}", "policy=snapkv"])).run_dir for r in (2, 4)
+    }
+    assert evict[2] != evict[4]
+
+
 @pytest.mark.parametrize(
     "override, setting",
     [

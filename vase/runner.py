@@ -144,6 +144,10 @@ def prepare(cfg: DictConfig) -> Prepared:
     max_length = int(gen.max_length or task.max_length)
     thinking = bool(model_spec.thinking and task.thinking)
     policy_desc = policy.describe()
+    # The full cache ignores budget and window: one run serves every ratio of a sweep (never decoded twice).
+    budget_free = policy.kind == "none"
+    if budget_free:
+        policy_desc = {k: v for k, v in policy_desc.items() if k not in ("budget", "window")}
     protocol = {
         "model": {k: v for k, v in asdict(model_spec).items() if k != "device"},
         "task": {k: v for k, v in task_cfg.items() if k not in NON_PROTOCOL_TASK_KEYS},
@@ -151,13 +155,14 @@ def prepare(cfg: DictConfig) -> Prepared:
         "generation": {**asdict(sampling), "max_length": max_length, "thinking": thinking},
         "seed": cfg.seed,
         "n_samples": task.n_samples,
-        "budget": cfg.budget,
-        "window": cfg.window,
+        "budget": None if budget_free else cfg.budget,
+        "window": None if budget_free else cfg.window,
     }
     if cfg.run_dir:
         run_dir = Path(cfg.run_dir)
     else:
-        tag = f"{policy.name}-b{cfg.budget}-{stable_hash(policy_desc, 6)}-s{cfg.seed}"
+        budget_tag = "" if budget_free else f"-b{cfg.budget}"
+        tag = f"{policy.name}{budget_tag}-{stable_hash(policy_desc, 6)}-s{cfg.seed}"
         if task.num_shards > 1:
             tag += f"-shard{task.shard}of{task.num_shards}"
         run_dir = Path(cfg.results_dir) / task.name / model_spec.key / tag
