@@ -74,6 +74,29 @@ def setup_venv(venv: str) -> None:
 
 
 # ---- the kvpress worker (runs inside the kvpress venv) --------------------------------------------------------
+def decode_greedy(model, cache, tok: torch.Tensor, start: int, n_new: int, tokens=None, on_step=None) -> torch.Tensor:
+    """The kvpress side's decode loop: ``n_new - 1`` greedy forwards after the prefill, explicit position ids.
+
+    Args:
+        tok: ``(batch,)`` the token chosen after the prefill (position ``start``).
+        tokens: optional ``(batch, n_new)`` long tensor filled from column 1 (no host synchronisation per step).
+        on_step: optional ``callback(i)`` after forward ``i``.
+
+    Returns:
+        ``(batch,)`` the last token.
+    """
+    positions = torch.arange(start, start + n_new, device=tok.device)
+    for i in range(1, n_new):
+        step_pos = positions[i - 1 : i].view(1, 1)
+        out = model(input_ids=tok.view(-1, 1), past_key_values=cache, position_ids=step_pos, use_cache=True)
+        tok = out.logits[:, -1].argmax(dim=-1)
+        if tokens is not None:
+            tokens[:, i] = tok
+        if on_step is not None:
+            on_step(i)
+    return tok
+
+
 def kvpress_worker(spec: dict) -> dict:
     """Decode with ``DecodingPress(SnapKVPress)`` on a fresh random model; return one row."""
     import kvpress
@@ -110,17 +133,8 @@ def kvpress_worker(spec: dict) -> dict:
             prefill = time.perf_counter() - t0
             tokens = torch.empty((batch, n_new), dtype=torch.long, device=device)
             tokens[:, 0] = tok
-            positions = torch.arange(p, p + n_new, device=device)
             t1, c1 = time.perf_counter(), time.process_time()
-            for i in range(1, n_new):
-                out = model(
-                    input_ids=tok.view(-1, 1),
-                    past_key_values=cache,
-                    position_ids=positions[i - 1 : i].view(1, 1),
-                    use_cache=True,
-                )
-                tok = out.logits[:, -1].argmax(dim=-1)
-                tokens[:, i] = tok  # no host synchronisation per step: the tokens stay on the device
+            decode_greedy(model, cache, tok, p, n_new, tokens)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             decode, cpu = time.perf_counter() - t1, time.process_time() - c1

@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_throughput as bt  # noqa: E402  (stdlib + torch at import)
+from bench_kvpress import decode_greedy  # noqa: E402
 
 
 def main() -> None:
@@ -54,19 +55,9 @@ def main() -> None:
         ids = prompt.view(1, -1).expand(batch, -1)
         with torch.inference_mode(), press(model) if args.mode == "press" else contextlib.nullcontext():
             tok = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
-            positions = torch.arange(p, p + n)
-            t, blocks = time.perf_counter(), []
-            for i in range(1, n):
-                out = model(
-                    input_ids=tok.view(-1, 1),
-                    past_key_values=cache,
-                    position_ids=positions[i - 1 : i].view(1, 1),
-                    use_cache=True,
-                )
-                tok = out.logits[:, -1].argmax(-1)
-                if i % 64 == 0:
-                    blocks.append((time.perf_counter() - t) / 64 * 1e3)
-                    t = time.perf_counter()
+            marks = [time.perf_counter()]
+            decode_greedy(model, cache, tok, p, n, on_step=lambda i, m=marks: i % 64 or m.append(time.perf_counter()))
+            blocks = [(b - a) / 64 * 1e3 for a, b in zip(marks, marks[1:])]
         print(
             f"run {run} mode {args.mode}: held {cache.get_seq_length()} at the end; ms/step per 64-step block: "
             + " ".join(f"{b:.0f}" for b in blocks),
