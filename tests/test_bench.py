@@ -163,3 +163,23 @@ def test_paper14b_preset_settings():
     shape = bt.PRESETS["qwen3-14b-shape"]
     assert (shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"]) == (5120, 40, 40)
     assert (shape["num_key_value_heads"], shape["head_dim"], shape["intermediate_size"]) == (8, 128, 17408)
+
+
+def test_kvpress_side_decode_loop_is_plain_greedy_decoding():
+    """bench_kvpress's decode loop (explicit positions, no press) yields the tokens of transformers' greedy generate."""
+    import torch
+    from transformers import DynamicCache
+
+    from vase.models import tiny_model
+
+    bk = _load("bench_kvpress")
+    model = tiny_model("qwen3")
+    prompt = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    want = model.generate(prompt, max_new_tokens=10, do_sample=False, min_new_tokens=10)[:, 12:]
+    cache = DynamicCache()
+    with torch.inference_mode():
+        tok = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
+        tokens = torch.empty((2, 10), dtype=torch.long)
+        tokens[:, 0] = tok
+        bk.decode_greedy(model, cache, tok, 12, 10, tokens)
+    assert torch.equal(tokens, want)
