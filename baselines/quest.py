@@ -84,19 +84,13 @@ class Quest(SelectionPolicy):
         return kmax, kmin
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor | None:
-        """``(B, H, L)`` bool: the best pages within the budget plus the current page; ``None`` (all) if they fit.
-
-        At prefill (``T > 1`` queries) the page summaries are built and ``None`` is returned: the prompt is encoded
-        with full causal attention and selection applies to decode steps only.
-        """
+        """``(B, H, L)`` bool: the best pages within the budget plus the current page; ``None`` (all) if they fit."""
         ps, length = self.page_size, inputs.length
         current = (length - 1) // ps  # index of the current page; pages before it are complete
         n_pages = min(self.budget // ps, current)
         if n_pages >= current:
             return None
         kmax, kmin = self.page_summaries(inputs)
-        if inputs.query.shape[2] != 1:
-            return None  # prefill (a prompt longer than the budget): full causal attention, as in Quest
         bound = page_upper_bound(inputs.query, kmax[:, :, :current], kmin[:, :, :current], self.group_reduce)
         top = bound.topk(n_pages, dim=-1).indices  # (B, H, n_pages)
         b, h = bound.shape[:2]

@@ -145,9 +145,8 @@ def vase_attention_forward(
     t = query.shape[2]
     prefill = t > 1
     layer.record_queries(query)
-    mask = layer.selection_mask(query, t)  # called at prefill too, so a selection policy can index the prompt
-    if prefill:
-        mask = None
+    # A selection policy picks tokens for decode steps only: the prompt is encoded with full causal attention.
+    mask = None if prefill else layer.selection_mask(query)
     backend = cache.attn_backend
     if mask is not None:
         groups = query.shape[1] // key.shape[1]

@@ -181,8 +181,11 @@ class VaseLayer(CacheLayerMixin):
         self.q_next = (self.q_next + take) % w
         self.q_count = min(w, self.q_count + take)
 
-    def selection_mask(self, query: torch.Tensor, n_new: int) -> torch.Tensor | None:
-        """Ask a selection policy which held tokens this step attends to: ``(n_rows, H, length)`` bool or None."""
+    def selection_mask(self, query: torch.Tensor) -> torch.Tensor | None:
+        """Ask a selection policy which held tokens this decode step attends to: ``(n_rows, H, length)`` bool or None.
+
+        ``query``: ``(rows, Hq, 1, D)`` the step's post-RoPE query (decode steps only; the prefill attends to all).
+        """
         policy = self.owner.policy
         if policy.kind != "selection":
             return None
@@ -191,15 +194,15 @@ class VaseLayer(CacheLayerMixin):
                 query=query.expand(self.n_rows, -1, -1, -1),
                 keys=self.keys[: self.n_rows, :, : self.length],
                 length=self.length,
-                n_new=n_new,
+                n_new=1,
                 layer_idx=self.layer_idx,
                 state=self.state,
             )
         )
-        if mask is not None and query.shape[2] == 1:
+        if mask is not None:
             count = mask.sum()
             self.attended = count if self.attended is None else self.attended + count
-        elif query.shape[2] == 1:
+        else:
             count = self.n_rows * self.keys.shape[1] * self.length
             self.attended = torch.tensor(count, device=query.device) if self.attended is None else self.attended + count
         return mask

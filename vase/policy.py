@@ -82,7 +82,8 @@ class SelectionInputs:
         query: ``(B, Hq, 1, D)`` post-RoPE query of the current step.
         keys: ``(B, H, L, D)`` every held key (the current token's included, at index ``L - 1``).
         length: ``L``, tokens held after this step's append.
-        n_new: tokens appended by this forward call (the prompt length at prefill, 1 when decoding).
+        n_new: tokens appended by this forward call (1: the engine selects at decode steps only; the prompt is
+            encoded with full causal attention).
         layer_idx: index of the layer.
         state: per-(generation, layer) dict owned by the policy (batch-first tensors, as for eviction).
     """
