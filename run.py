@@ -48,7 +48,7 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path="conf", config_name="config")
     def _run(cfg: DictConfig) -> float | None:
-        from vase.runner import run
+        from vase.run.runner import run
 
         try:
             metrics = run(cfg, progress=cfg.progress)

@@ -1,6 +1,6 @@
 """CurDKV: CUR sketch scores with one fixed Gaussian sketch per sequence and layer (the authors' ``cur_fixed_gauss``).
 
-Same code as VaSE-DKV (:mod:`vase.vase_dkv`) with ``resample_sketch=False``: the only difference between the two is
+Same code as VaSE-DKV (:mod:`vase.policies.dkv`) with ``resample_sketch=False``: the only difference between the two is
 whether the sketch is redrawn at every eviction.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vase.vase_dkv import CurSketchEviction
+from vase.policies.dkv import CurSketchEviction
 
 
 @dataclass

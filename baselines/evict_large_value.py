@@ -12,8 +12,8 @@ from typing import ClassVar
 
 import torch
 
-from vase.policy import EvictionInputs, EvictionPolicy, _check
-from vase.scores import VALUE_STATS, topk_with_protection, value_statistic
+from vase.engine.policy import EvictionInputs, EvictionPolicy, _check
+from vase.engine.scores import VALUE_STATS, topk_with_protection, value_statistic
 
 
 @dataclass

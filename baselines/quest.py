@@ -2,8 +2,9 @@
 
 Keys are grouped into pages of ``page_size`` tokens in storage order (the full cache never reorders). Per decode step,
 layer and KV head, each page is scored by the upper bound ``Σ_d max(q_d·kmax_d, q_d·kmin_d)`` of ``q·k`` over its
-tokens (:func:`vase.scores.page_upper_bound`); the step attends to the ``budget // page_size`` best complete pages
-plus the current (last, possibly partial) page, i.e. at most ``budget`` tokens plus the current page. With GQA the
+tokens (:func:`vase.engine.scores.page_upper_bound`); the step attends to the ``budget // page_size`` best
+complete pages plus the current (last, possibly partial) page, i.e. at most ``budget`` tokens plus the current page.
+With GQA the
 group's query heads are combined by ``group_reduce`` (default ``max``: a page ranks by the most optimistic head).
 
 Every token stays in memory: the engine reports ``attended_tokens`` (mean per step, row, KV head and layer) next to
@@ -21,8 +22,8 @@ from typing import ClassVar
 
 import torch
 
-from vase.policy import SelectionInputs, SelectionPolicy, _check
-from vase.scores import GROUP_REDUCE, page_min_max, page_upper_bound
+from vase.engine.policy import SelectionInputs, SelectionPolicy, _check
+from vase.engine.scores import GROUP_REDUCE, page_min_max, page_upper_bound
 
 
 @dataclass

@@ -7,8 +7,8 @@ from typing import ClassVar
 
 import torch
 
-from vase.policy import EvictionInputs, EvictionPolicy
-from vase.scores import topk_with_protection
+from vase.engine.policy import EvictionInputs, EvictionPolicy
+from vase.engine.scores import topk_with_protection
 
 
 @dataclass

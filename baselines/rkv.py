@@ -1,10 +1,11 @@
 """R-KV: keep the deterministic top-k of ``λ·attention − (1 − λ)·redundancy``.
 
 ``attention`` is the windowed attention score (as SnapKV, smoothed) and ``redundancy`` R-KV's key redundancy
-(:func:`vase.scores.redundancy_score`): the softmax over candidates of each key's mean cosine similarity to the other
+(:func:`~vase.engine.scores.redundancy_score`): the softmax over candidates of each key's mean cosine similarity to
+the other
 candidate keys. The redundancy is defined by the ``(B, H, N, N)`` pairwise similarity matrix, which is quadratic in
 the candidates (R-KV's and the authors' code build it: ``O(N²·D)`` time and ``O(N²)`` memory per eviction). Only its
-row means are used, so :func:`~vase.scores.redundancy_score` gets the same numbers in ``O(N·D)`` without building it;
+row means are used, so :func:`redundancy_score` gets the same numbers in ``O(N·D)`` without building it;
 the windowed attention score stays ``O(Hq·W·N·D)``.
 
 λ = 0.5 as in the VaSE paper (the R-KV paper used 0.1). Sinks: none by default, as the authors' ``attn_rkv`` mode.
@@ -17,14 +18,14 @@ from typing import ClassVar
 
 import torch
 
-from vase.policy import EvictionInputs, _check
-from vase.scores import redundancy_score
-from vase.vase_attnv import WindowedAttentionEviction
+from vase.engine.policy import EvictionInputs, _check
+from vase.engine.scores import redundancy_score
+from vase.policies.attnv import WindowedAttentionEviction
 
 
 @dataclass
 class RKV(WindowedAttentionEviction):
-    """R-KV; fields as :class:`~vase.vase_attnv.WindowedAttentionEviction` plus ``rkv_lambda``.
+    """R-KV; fields as :class:`~vase.policies.attnv.WindowedAttentionEviction` plus ``rkv_lambda``.
 
     Attributes:
         rkv_lambda: weight of the attention score, in [0, 1]; ``1 - rkv_lambda`` weighs the redundancy.

@@ -4,7 +4,7 @@
 Protocol, per (policy, budget, output length): a random prompt of ``--prompt-len`` tokens (seeded), ``--batch`` rows
 decoded together, greedy, a fixed output length with EOS ignored; ``--warmup`` untimed runs, then ``--repeats`` timed
 runs; decode tokens/s is the mean of the repeats without their min and max (plain mean when fewer than 3 repeats).
-Only the decode is timed (``vase.generate.generate``'s ``decode_seconds``; the prefill is excluded).
+Only the decode is timed (``vase.engine.decode.generate``'s ``decode_seconds``; the prefill is excluded).
 
 Reported per config (CSV ``bench.csv``, plot ``bench.png``/``bench.pdf``, machine info ``machine.json``):
 
@@ -430,7 +430,7 @@ class Job:
 
     def once(self, n_new: int | None = None):
         """One generation (greedy, EOS ignored); ``n_new`` defaults to the planned output length."""
-        from vase.generate import SamplingConfig, generate
+        from vase.engine.decode import SamplingConfig, generate
 
         s = self.spec
         marks: dict = {}

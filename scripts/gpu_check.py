@@ -48,7 +48,7 @@ import bench_throughput as bt  # noqa: E402
 
 
 def pick_pair(device: torch.device) -> str:
-    from vase.attention import flash_attn_available
+    from vase.engine.attention import flash_attn_available
 
     if device.type == "cuda" and flash_attn_available():
         return "flash_attn:sdpa"
@@ -69,11 +69,11 @@ def side_settings(name: str):
 
 
 class Side:
-    """One backend's cache and decode state (mirrors ``vase.generate.generate``'s prefill and decode step)."""
+    """One backend's cache and decode state (mirrors ``vase.engine.decode.generate``'s prefill and decode step)."""
 
     def __init__(self, model, policy, name: str, prompt: torch.Tensor, rows: int, steps: int, seed: int):
-        from vase.cache import CacheGeometry, VaseCache, cache_capacity
-        from vase.generate import sample_seeds
+        from vase.engine.cache import CacheGeometry, VaseCache, cache_capacity
+        from vase.engine.decode import sample_seeds
 
         self.model, self.name = model, name
         self.backend, self.ctx = side_settings(name)
@@ -104,7 +104,7 @@ class Side:
         self.prompt = prompt.to(device)
 
     def prefill(self) -> torch.Tensor:
-        from vase.generate import vase_attention
+        from vase.engine.decode import vase_attention
 
         with vase_attention(self.model), self.ctx():
             logits = self.model(
@@ -119,7 +119,7 @@ class Side:
         return logits.expand(self.rows, -1).float()
 
     def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
-        from vase.generate import vase_attention
+        from vase.engine.decode import vase_attention
 
         pos = torch.tensor([[self.p + step - 1]], device=self.device)
         with vase_attention(self.model), self.ctx():
@@ -169,7 +169,7 @@ class KernelShadow:
     def __enter__(self):
         from transformers import AttentionInterface
 
-        import vase.attention as va
+        import vase.engine.attention as va
 
         self.va = va
         self.orig = va.vase_attention_forward

@@ -19,8 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vase.results import BATCHES, SAMPLES, append_jsonl, read_jsonl_tolerant, write_json  # noqa: E402
-from vase.runner import compute_metrics  # noqa: E402
+from vase.run.results import BATCHES, SAMPLES, append_jsonl, read_jsonl_tolerant, write_json  # noqa: E402
+from vase.run.runner import compute_metrics  # noqa: E402
 
 
 def merge(prefix: Path) -> dict:

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     import os
 
-    from vase.analysis import build_report
+    from vase.analysis.report import build_report
 
     mode = os.environ.get("WANDB_MODE", args.wandb) if args.wandb != "disabled" else "disabled"
     if mode not in ("offline", "online", "disabled"):

@@ -72,9 +72,9 @@ def decode(args, spec, task, layers: list[int], bits: list[int], groups: list[in
     import pandas as pd
     import torch
 
-    from vase.generate import SamplingConfig
-    from vase.runner import eos_ids
-    from vase.value_analysis import capture_values, token_records
+    from vase.analysis.value_analysis import capture_values, token_records
+    from vase.engine.decode import SamplingConfig
+    from vase.run.runner import eos_ids
 
     problems = task.load()
     t0 = time.perf_counter()
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from vase.value_analysis import analyze, parse_large, write_outputs
+    from vase.analysis.value_analysis import analyze, parse_large, write_outputs
 
     try:
         for x in large:

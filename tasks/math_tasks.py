@@ -4,7 +4,7 @@ Prompts follow the paper: competition math gets ``problem + MATH_SUFFIX``; GSM8K
 ``gsm_symbolic`` get ``question + GSM_SUFFIX``.
 
 ``task=aime`` is AIME 2025 and AIME 2026 together (60 problems, ids ``"2025-<id>"`` / ``"2026-<id>"``, ``meta["year"]``
-for the per-year breakdown, see :func:`vase.metrics.pass_at_1_by_group`); ``task=aime25`` / ``task=aime26`` are one
+for the per-year breakdown, see :func:`vase.run.metrics.pass_at_1_by_group`); ``task=aime25`` / ``task=aime26`` are one
 year each with the dataset's own ids.
 
 Hub revisions are pinned through the ``*_REVISION`` constants. We do not know the commit hashes of these datasets

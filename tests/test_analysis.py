@@ -26,12 +26,12 @@ import pandas as pd
 import pytest
 import yaml
 
-from vase import analysis as A
+from vase.analysis import report as A
 
 TARGETS = {
-    "full": "vase.policy.FullCache",
+    "full": "vase.engine.policy.FullCache",
     "snapkv": "baselines.snapkv.SnapKV",
-    "vase_attnv": "vase.vase_attnv.VaSEAttnV",
+    "vase_attnv": "vase.policies.attnv.VaSEAttnV",
     "snapkv_protect": "baselines.snapkv.SnapKVProtect",
     "random": "baselines.random.RandomEviction",
 }
@@ -307,7 +307,7 @@ def test_policy_identity_from_varying_hyperparameters(tmp_path: Path):
 
 
 def test_ratio_operating_point_matches_runner(tmp_path: Path):
-    from vase.runner import resolve_budget
+    from vase.run.runner import resolve_budget
 
     for ref, ratio, window in [(256, 4, 16), (15325, 4, 64), (1000, 3, 64), (100, 8, 16)]:
         assert A.resolve_budget(ref, ratio, window) == resolve_budget(ref, ratio, window)
@@ -345,7 +345,7 @@ def test_tables_written_and_csv_values(tree_dir: Path, tmp_path: Path):
 
 
 def test_report_renders_every_figure(tree_dir: Path, tmp_path: Path):
-    from vase.diversity import KeptEvent, KeptSetRecorder, kept_sets_path
+    from vase.run.kept_sets import KeptEvent, KeptSetRecorder, kept_sets_path
 
     rec = KeptSetRecorder()
     rec.events = [KeptEvent("p0", 0, 0, np.array([0, 1]), np.array([[[0, 1], [0, 2]], [[0, 1], [3, 4]]]))]

@@ -9,16 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from vase.diversity import (
-    KeptEvent,
-    KeptSetRecorder,
-    diversity,
-    diversity_from_run,
-    jaccard,
-    kept_sets_path,
-    load_kept_sets,
-    pairwise_jaccard,
-)
+from vase.analysis.diversity import diversity, diversity_from_run, jaccard, pairwise_jaccard
+from vase.run.kept_sets import KeptEvent, KeptSetRecorder, kept_sets_path, load_kept_sets
 
 
 def test_jaccard_by_hand():
@@ -119,7 +111,7 @@ def test_recorder_on_a_real_generation(tmp_path: Path):
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from vase.generate import SamplingConfig, generate
+    from vase.engine.decode import SamplingConfig, generate
     from vase.models import tiny_model
 
     model = tiny_model("qwen3")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from vase.metrics import (
+from vase.run.metrics import (
     classify_output,
     has_loop,
     is_garbage,

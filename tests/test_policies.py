@@ -13,10 +13,16 @@ from omegaconf import OmegaConf
 from baselines.evict_large_value import EvictLargeValue
 from baselines.rkv import RKV
 from baselines.snapkv import SnapKV
-from vase.policy import EvictionInputs, SelectionInputs
-from vase.scores import page_min_max, page_upper_bound, redundancy_score, value_statistic, windowed_attention_score
-from vase.vase_attnv import VaSEAttnV
-from vase.vase_dkv import VaSEDKV
+from vase.engine.policy import EvictionInputs, SelectionInputs
+from vase.engine.scores import (
+    page_min_max,
+    page_upper_bound,
+    redundancy_score,
+    value_statistic,
+    windowed_attention_score,
+)
+from vase.policies.attnv import VaSEAttnV
+from vase.policies.dkv import VaSEDKV
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "policy"
 ALL_CONFIGS = sorted(p.stem for p in CONF.glob("*.yaml"))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from baselines.streaming import Streaming
-from vase.generate import SamplingConfig, generate
-from vase.policy import FullCache
+from vase.engine.decode import SamplingConfig, generate
+from vase.engine.policy import FullCache
 
 pytestmark = [
     pytest.mark.slow,

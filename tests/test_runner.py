@@ -15,8 +15,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from vase.results import check_protocol, read_jsonl_tolerant
-from vase.runner import held_at_end, prepare, resolve_budget
+from vase.run.results import check_protocol, read_jsonl_tolerant
+from vase.run.runner import held_at_end, prepare, resolve_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -312,13 +312,17 @@ def test_wandb_offline_run_is_accepted_by_wandb_sync(tmp_path):
     offline = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline) == 1 and list(offline[0].glob("*.wandb"))
     sync = subprocess.run(
-        ["wandb", "sync", "--dry-run", str(offline[0])], env=env, capture_output=True, text=True, timeout=120
+        [str(Path(sys.executable).with_name("wandb")), "sync", "--dry-run", str(offline[0])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert sync.returncode == 0, sync.stdout + sync.stderr
 
 
 def test_sharded_runs_merge_into_one(tmp_path):
-    from vase.runner import run
+    from vase.run.runner import run
 
     sys.path.insert(0, str(ROOT / "scripts"))
     from merge_shards import merge

@@ -1,4 +1,4 @@
-"""Each score of :mod:`vase.scores` against a short loop-based reference written from its formula (method.md §2–3)."""
+"""Each score of :mod:`vase.engine.scores` against a short loop-based reference from its formula (method.md §2–3)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from vase.scores import (
+from vase.engine.scores import (
     cur_score,
     page_min_max,
     page_upper_bound,

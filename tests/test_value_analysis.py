@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from vase import value_analysis as V
+from vase.analysis import value_analysis as V
 
 ROOT = Path(__file__).resolve().parents[1]
 

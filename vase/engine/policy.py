@@ -1,6 +1,6 @@
 """The policy interface shared by every KV-cache policy.
 
-A policy is a small dataclass whose fields are its hyper-parameters. The engine (:mod:`vase.cache`) owns the
+A policy is a small dataclass whose fields are its hyper-parameters. The engine (:mod:`vase.engine.cache`) owns the
 storage and calls the policy at two hooks:
 
 * eviction policies (``kind = "eviction"``) implement :meth:`EvictionPolicy.keep`: at each eviction event the engine

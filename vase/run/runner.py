@@ -26,9 +26,9 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from vase.generate import SamplingConfig, generate, sample_seeds
-from vase.metrics import classify_output, mean_pass_at_1, mean_pass_at_k
-from vase.results import (
+from vase.engine.decode import SamplingConfig, generate, sample_seeds
+from vase.run.metrics import classify_output, mean_pass_at_1, mean_pass_at_k
+from vase.run.results import (
     BATCHES,
     SAMPLES,
     append_jsonl,
@@ -273,7 +273,7 @@ def _decode(prep: Prepared, todo, done_rows, run_dir: Path, run_logger, progress
     )
     recorder = None
     if cfg.get("record_kept", False):
-        from vase.diversity import KeptSetRecorder
+        from vase.run.kept_sets import KeptSetRecorder
 
         recorder = KeptSetRecorder()
     correct_so_far = [bool(r["correct"]) for r in done_rows]
@@ -299,7 +299,7 @@ def _decode(prep: Prepared, todo, done_rows, run_dir: Path, run_logger, progress
             else (lambda cache, pid=problem.id, rows=missing: recorder.attach(cache, problem_id=pid, samples=rows)),
         )
         if recorder is not None:
-            from vase.diversity import kept_sets_path
+            from vase.run.kept_sets import kept_sets_path
 
             recorder.dump(kept_sets_path(run_dir, problem.id))
             recorder.clear()

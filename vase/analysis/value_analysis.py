@@ -1,9 +1,11 @@
 """Value-magnitude analysis: how large the value states get, where the large ones sit, and how they quantize.
 
-From a full-cache decoding (:class:`vase.policy.FullCache`, so the cache holds every token's value state), per selected
+From a full-cache decoding (:class:`~vase.engine.policy.FullCache`, so the cache holds every token's value state), per
+selected
 layer, KV head and token:
 
-* the value statistics of :func:`vase.scores.value_statistic` (``range = max - min`` over the head dimension, the one
+* the value statistics of :func:`~vase.engine.scores.value_statistic` (``range = max - min`` over the head dimension,
+  the one
   VaSE protects; ``l2``; ``absmax``);
 * the quantization error of the token's value vector under per-group asymmetric min-max quantization (KIVI-style:
   groups of ``g`` consecutive channels, ``b`` bits, scale ``(max - min) / (2^b - 1)``, zero point ``min``), as the
@@ -29,8 +31,8 @@ import pandas as pd
 import torch
 from matplotlib.ticker import NullFormatter
 
-from vase.analysis import new_figure, save_figure
-from vase.scores import value_statistic
+from vase.analysis.report import new_figure, save_figure
+from vase.engine.scores import value_statistic
 
 logger = logging.getLogger(__name__)
 
@@ -134,13 +136,13 @@ def capture_values(
     seed: int = 0,
     problem_id: str = "",
 ) -> ValueCapture:
-    """Decode one sample with the full cache through :func:`vase.generate.generate`; return the layers' values.
+    """Decode one sample with the full cache through :func:`vase.engine.decode.generate`; return the layers' values.
 
     The cache is taken through generate's ``on_cache`` hook and read after decoding (one row, so no row ever leaves
     the batch and the cache holds every token's value state).
     """
-    from vase.generate import SamplingConfig, generate
-    from vase.policy import FullCache
+    from vase.engine.decode import SamplingConfig, generate
+    from vase.engine.policy import FullCache
 
     n_layers = model.config.num_hidden_layers
     bad = [x for x in layers if not 0 <= x < n_layers]

@@ -4,7 +4,7 @@ Registered through transformers' public extension points: :class:`~transformers.
 attention itself and :class:`~transformers.masking_utils.AttentionMaskInterface` under the same name (the standard
 SDPA mask), so a model set to ``"vase"`` still works with an ordinary cache (the call then falls back to SDPA).
 
-With a :class:`~vase.cache.VaseCache` passed as the ``vase_cache`` keyword of the model call, the function
+With a :class:`~vase.engine.cache.VaseCache` passed as the ``vase_cache`` keyword of the model call, the function
 
 1. records the layer's post-RoPE queries in the cache's ring buffer (only for policies that need them),
 2. asks a selection policy for the tokens this step attends to (Quest),

@@ -45,7 +45,7 @@ import pandas as pd
 import yaml
 from matplotlib.figure import Figure
 
-from vase.results import BATCHES, SAMPLES, read_jsonl_tolerant, stable_hash
+from vase.run.results import BATCHES, SAMPLES, read_jsonl_tolerant, stable_hash
 
 logger = logging.getLogger(__name__)
 
@@ -329,7 +329,7 @@ def load_run(run_dir: str | Path, run_id: int = 0) -> tuple[dict, pd.DataFrame, 
 
 
 def resolve_budget(reference_tokens: int, ratio: float, window: int) -> int:
-    """The runner's budget rule (:func:`vase.runner.resolve_budget`): ``reference / ratio`` rounded to the window."""
+    """The runner's rule (:func:`~vase.run.runner.resolve_budget`): ``reference / ratio`` rounded to the window."""
     return max(2, round(reference_tokens / ratio / window)) * window
 
 
@@ -1363,8 +1363,8 @@ def paper_figures(tree: Tree, summary: pd.DataFrame, diversity: pd.DataFrame | N
 
 
 def diversity_table(tree: Tree) -> pd.DataFrame:
-    """Per run with recorded kept sets: mean Jaccard across heads, layers and samples (see :mod:`vase.diversity`)."""
-    from vase.diversity import diversity_from_run
+    """Per run with recorded kept sets: mean Jaccard across heads, layers and samples (see diversity)."""
+    from vase.analysis.diversity import diversity_from_run
 
     rows = []
     for _, run in tree.runs.iterrows():

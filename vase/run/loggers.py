@@ -91,7 +91,7 @@ class WandbLogger(NullLogger):
             return
         import wandb
 
-        from vase.results import SAMPLES, read_jsonl_tolerant
+        from vase.run.results import SAMPLES, read_jsonl_tolerant
 
         self.run.summary.update({k: v for k, v in metrics.items() if v is not None})
         if self.log_samples:

@@ -1,6 +1,6 @@
 """VaSE-DKV: CUR sketch scores with the Gaussian sketch redrawn at every eviction (method.md §3).
 
-Score per candidate: ``‖k G‖² · ‖v G‖²`` normalised over the candidates (:func:`vase.scores.cur_score`), with
+Score per candidate: ``‖k G‖² · ‖v G‖²`` normalised over the candidates (:func:`vase.engine.scores.cur_score`), with
 ``G ∈ R^{D×r}``, entries ``N(0, 1) / sqrt(r)``, one sketch per row shared by the layer's KV heads (as the authors'
 code). The ``sinks`` are forced to the top; the rest is a deterministic top-k.
 
@@ -21,8 +21,8 @@ from typing import ClassVar
 
 import torch
 
-from vase.policy import EvictionInputs, EvictionPolicy, _check
-from vase.scores import cur_score, topk_with_protection
+from vase.engine.policy import EvictionInputs, EvictionPolicy, _check
+from vase.engine.scores import cur_score, topk_with_protection
 
 
 @dataclass

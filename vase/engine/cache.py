@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from vase.policy import EvictionInputs, Policy, SelectionInputs
+from vase.engine.policy import EvictionInputs, Policy, SelectionInputs
 
 logger = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ class VaseCache(Cache):
         policy: the eviction / selection policy.
         scaling: the model's attention softmax scale.
         evict_generators: one seeded generator per row for the policy's randomness.
-        attn_backend: ``"sdpa"``, ``"eager"`` or ``"flash_attn"`` (see :func:`vase.attention.resolve_backend`).
+        attn_backend: ``"sdpa"``, ``"eager"`` or ``"flash_attn"`` (see :func:`vase.engine.attention.resolve_backend`).
         sync_timing: synchronise CUDA around evictions so their timing is exact (evictions only, never per step).
         check_policy_output: validate every ``keep()`` answer (shape, range, uniqueness); costs a sync per eviction.
     """

@@ -2,7 +2,7 @@
 
 :class:`WindowedAttentionEviction` is the one implementation of the attention-scored family:
 
-* score: the windowed attention score (:func:`vase.scores.windowed_attention_score`);
+* score: the windowed attention score (:func:`vase.engine.scores.windowed_attention_score`);
 * protection: the ``sinks`` plus the candidates with the largest value statistic, ``n_protect`` slots in all;
 * the remaining ``n_keep - n_protect`` slots: deterministic top-k of the score, or (``sample``) drawn without
   replacement with probability proportional to it.
@@ -25,8 +25,8 @@ from typing import ClassVar
 
 import torch
 
-from vase.policy import EvictionInputs, EvictionPolicy, _check
-from vase.scores import (
+from vase.engine.policy import EvictionInputs, EvictionPolicy, _check
+from vase.engine.scores import (
     SMOOTH_ALONG,
     VALUE_STATS,
     protect_largest,

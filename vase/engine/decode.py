@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vase.attention import ATTN_NAME, resolve_backend
-from vase.cache import CacheGeometry, VaseCache, cache_capacity
+from vase.engine.attention import ATTN_NAME, resolve_backend
+from vase.engine.cache import CacheGeometry, VaseCache, cache_capacity
+from vase.engine.policy import Policy
 from vase.models import check_architecture
-from vase.policy import Policy
 
 logger = logging.getLogger(__name__)
 

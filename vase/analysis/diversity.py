@@ -1,0 +1,131 @@
+"""Cache diversity: record which tokens each eviction keeps, and measure how much the kept sets overlap.
+
+Recording (opt-in, during a run)::
+
+    recorder = KeptSetRecorder(every=1, max_events_per_layer=1)        # the last eviction per layer
+    out = generate(model, ids, policy, n_samples=n, ...,
+                   on_cache=lambda cache: recorder.attach(cache, problem_id=problem.id, samples=missing))
+    recorder.dump(kept_sets_path(run_dir, problem.id))                  # <run_dir>/kept_sets/<problem>.npz
+    recorder.clear()
+
+At each eviction the cache calls ``cache.on_evict(layer, idx, kept_positions)`` with ``kept_positions
+(rows, H, budget - window)``: the absolute positions of the candidates kept. The recorder stores them as sorted int32
+arrays together with the layer, the layer's eviction index (all layers evict at the same decode steps, so equal
+indices are simultaneous) and the sample index of each live row (rows that finish leave the batch: the recorder
+reads ``cache.row_ids``, which the cache keeps in step with ``select_rows``).
+
+Analysis: the mean Jaccard overlap ``|A ∩ B| / |A ∪ B|`` of kept sets
+
+* across heads: pairs of KV heads of the same (event, layer, row);
+* across layers: pairs of layers of the same (problem, eviction index, sample, head);
+* across samples: pairs of samples (rows) of the same (problem, eviction index, layer, head).
+
+A deterministic policy keeps similar sets everywhere (high overlap); a stochastic one diversifies them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from vase.run.kept_sets import KEPT_SETS_DIR, KEPT_SETS_FILE, KeptEvent, load_kept_sets
+
+__all__ = ["diversity", "diversity_from_run", "jaccard", "pairwise_jaccard"]
+
+# ------------------------------------------------------------------------------------------------- Jaccard
+
+
+def jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """``|A ∩ B| / |A ∪ B|`` of two sets of positions (1.0 for two empty sets)."""
+    sa, sb = set(np.asarray(a).ravel().tolist()), set(np.asarray(b).ravel().tolist())
+    union = len(sa | sb)
+    return len(sa & sb) / union if union else 1.0
+
+
+def pairwise_jaccard(sets: np.ndarray) -> np.ndarray:
+    """Jaccard of every pair of the ``n`` sets in ``sets (n, K)`` (unique positions per row): ``(n, n)``.
+
+    Vectorised through a membership matrix: ``|A ∩ B|`` is a matrix product, ``|A ∪ B| = |A| + |B| - |A ∩ B|``.
+    """
+    sets = np.asarray(sets)
+    n = sets.shape[0]
+    if n == 0:
+        return np.zeros((0, 0))
+    universe, inverse = np.unique(sets, return_inverse=True)
+    member = np.zeros((n, len(universe)), dtype=np.float32)
+    member[np.repeat(np.arange(n), sets.shape[1]), inverse.ravel()] = 1.0
+    inter = member @ member.T
+    size = member.sum(axis=1)
+    union = size[:, None] + size[None, :] - inter
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(union > 0, inter / np.maximum(union, 1), 1.0)
+
+
+def _mean_offdiag(sets: np.ndarray) -> tuple[float, int]:
+    """Sum of the pairwise Jaccard over pairs ``i < j`` and the number of pairs."""
+    n = sets.shape[0]
+    if n < 2:
+        return 0.0, 0
+    m = pairwise_jaccard(sets)
+    iu = np.triu_indices(n, k=1)
+    return float(m[iu].sum()), len(iu[0])
+
+
+def diversity(events: Sequence[KeptEvent]) -> dict[str, float]:
+    """Mean Jaccard across heads, layers and samples of a list of events (see the module docstring).
+
+    Returns:
+        ``{"heads", "layers", "samples"}`` means (NaN when there is no pair), ``{"heads_pairs", ...}`` pair counts,
+        and ``events``.
+    """
+    sums = {"heads": [0.0, 0], "layers": [0.0, 0], "samples": [0.0, 0]}
+
+    def add(kind: str, sets: np.ndarray) -> None:
+        s, n = _mean_offdiag(sets)
+        sums[kind][0] += s
+        sums[kind][1] += n
+
+    for e in events:  # across heads: same event, same row
+        for r in range(e.kept.shape[0]):
+            add("heads", e.kept[r])
+    by_time: dict[tuple[str, int], list[KeptEvent]] = defaultdict(list)
+    for e in events:
+        by_time[(e.problem_id, e.index)].append(e)
+    for group in by_time.values():
+        # across samples: same event (problem, index, layer), same head
+        for e in group:
+            for h in range(e.kept.shape[1]):
+                add("samples", e.kept[:, h])
+        # across layers: same (problem, index), same sample and head
+        per_sample: dict[int, list[tuple[int, np.ndarray]]] = defaultdict(list)
+        for e in group:
+            for r, s in enumerate(e.samples.tolist()):
+                per_sample[s].append((e.layer, e.kept[r]))
+        for items in per_sample.values():
+            if len(items) < 2:
+                continue
+            stack = np.stack([k for _, k in sorted(items, key=lambda t: t[0])])  # (L, H, K)
+            if len({k.shape for _, k in items}) != 1:
+                continue
+            for h in range(stack.shape[1]):
+                add("layers", stack[:, h])
+    out: dict[str, float] = {"events": float(len(events))}
+    for kind, (s, n) in sums.items():
+        out[kind] = s / n if n else float("nan")
+        out[f"{kind}_pairs"] = float(n)
+    return out
+
+
+def diversity_from_run(run_dir: str | Path) -> dict[str, float] | None:
+    """:func:`diversity` of every kept set a run recorded (``kept_sets.npz`` and/or ``kept_sets/*.npz``), or None."""
+    run_dir = Path(run_dir)
+    files = sorted((run_dir / KEPT_SETS_DIR).glob("*.npz")) if (run_dir / KEPT_SETS_DIR).is_dir() else []
+    if (run_dir / KEPT_SETS_FILE).exists():
+        files.append(run_dir / KEPT_SETS_FILE)
+    if not files:
+        return None
+    events = [e for f in files for e in load_kept_sets(f)]
+    return diversity(events)
