@@ -10,9 +10,10 @@ group's query heads are combined by ``group_reduce`` (default ``max``: a page ra
 Every token stays in memory: the engine reports ``attended_tokens`` (mean per step, row, KV head and layer) next to
 the KV bytes, so Quest is compared "at the same sparsity", never as a memory saving.
 
-Page summaries ``kmax``/``kmin`` ``(B, H, P, D)`` live in ``state`` and are updated incrementally: only the pages
-touched by the tokens appended since the previous call are recomputed (all of them the first time, or if the held
-length is not the one the state expects).
+Page summaries ``kmax``/``kmin`` ``(B, H, ceil(capacity / page_size), D)`` live in ``state``, allocated once per row
+when the row first needs a selection; after that only the page of each row's new token is updated (the engine calls
+``select`` at every decode step of every live row, so the summaries stay in step). Rows hold different lengths
+(continuous batching): each row ranks only its own complete pages.
 """
 
 from __future__ import annotations
@@ -63,39 +64,49 @@ class Quest(SelectionPolicy):
         )
 
     def page_summaries(self, inputs: SelectionInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kmax, kmin)``, each ``(B, H, ceil(L / page_size), D)``, updated in ``inputs.state``."""
-        st, ps, length = inputs.state, self.page_size, inputs.length
-        prev = st.get("length")
-        kmax, kmin = st.get("kmax"), st.get("kmin")
-        fresh = (
-            prev is None
-            or prev != length - inputs.n_new
-            or kmax is None
-            or kmax.shape[0] != inputs.keys.shape[0]
-            or kmax.shape[2] != -(-prev // ps)
-        )
-        if fresh:
-            kmax, kmin = page_min_max(inputs.keys, ps)
-        else:
-            first = prev // ps  # first page touched by the new tokens
-            new_max, new_min = page_min_max(inputs.keys[:, :, first * ps : length], ps)
-            kmax = torch.cat([kmax[:, :, :first], new_max], dim=2)
-            kmin = torch.cat([kmin[:, :, :first], new_min], dim=2)
-        st.update(kmax=kmax, kmin=kmin, length=length)
+        """``(kmax, kmin)``, each ``(B, H, ceil(capacity / page_size), D)``, kept up to date in ``inputs.state``."""
+        st, ps = inputs.state, self.page_size
+        keys = inputs.keys
+        if "kmax" not in st:  # rows new to selection: summarise every page they hold
+            b, h, _, d = keys.shape
+            pages = -(-inputs.capacity // ps)
+            kmax, kmin = keys.new_zeros((b, h, pages, d)), keys.new_zeros((b, h, pages, d))
+            for i, length in enumerate(inputs.lengths_host):
+                mx, mn = page_min_max(keys[i : i + 1, :, :length], ps)
+                kmax[i, :, : mx.shape[2]] = mx[0]
+                kmin[i, :, : mn.shape[2]] = mn[0]
+            st.update(kmax=kmax, kmin=kmin)
+            return kmax, kmin
+        kmax, kmin = st["kmax"], st["kmin"]
+        rows = torch.arange(keys.shape[0], device=keys.device)
+        last = inputs.lengths - 1  # slot of each row's new token
+        page = torch.div(last, ps, rounding_mode="floor")
+        starts = (last % ps == 0)[:, None, None]  # the new token opens a page
+        new = keys[rows, :, last]  # (B, H, D)
+        kmax[rows, :, page] = torch.where(starts, new, torch.maximum(kmax[rows, :, page], new))
+        kmin[rows, :, page] = torch.where(starts, new, torch.minimum(kmin[rows, :, page], new))
         return kmax, kmin
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor | None:
-        """``(B, H, L)`` bool: the best pages within the budget plus the current page; ``None`` (all) if they fit."""
-        ps, length = self.page_size, inputs.length
-        current = (length - 1) // ps  # index of the current page; pages before it are complete
-        n_pages = min(self.budget // ps, current)
-        if n_pages >= current:
+        """``(B, H, L)`` bool: each row's best pages within the budget plus its current page; ``None`` if all fit."""
+        ps = self.page_size
+        current = [(length - 1) // ps for length in inputs.lengths_host]  # pages before it are complete
+        n_pages = self.budget // ps
+        fits = max(current) <= n_pages
+        if fits and "kmax" not in inputs.state:
             return None
         kmax, kmin = self.page_summaries(inputs)
-        bound = page_upper_bound(inputs.query, kmax[:, :, :current], kmin[:, :, :current], self.group_reduce)
-        top = bound.topk(n_pages, dim=-1).indices  # (B, H, n_pages)
+        if fits:
+            return None
+        n_complete = max(current)
+        bound = page_upper_bound(inputs.query, kmax[:, :, :n_complete], kmin[:, :, :n_complete], self.group_reduce)
         b, h = bound.shape[:2]
-        pages = torch.zeros((b, h, current + 1), dtype=torch.bool, device=bound.device)
+        cur = torch.div(inputs.lengths - 1, ps, rounding_mode="floor")  # (B,)
+        complete = torch.arange(n_complete, device=bound.device)[None, :] < cur[:, None]  # (B, P)
+        bound = bound.masked_fill(~complete[:, None, :], float("-inf"))
+        top = bound.topk(min(n_pages, n_complete), dim=-1).indices  # (B, H, k)
+        pages = torch.zeros((b, h, n_complete + 1), dtype=torch.bool, device=bound.device)
         pages.scatter_(-1, top, True)
-        pages[..., current] = True
-        return pages.repeat_interleave(ps, dim=-1)[..., :length]
+        pages[..., :n_complete] &= complete[:, None, :]
+        pages.scatter_(-1, cur.view(b, 1, 1).expand(b, h, 1), True)
+        return pages.repeat_interleave(ps, dim=-1)[..., : inputs.length]

@@ -4,7 +4,8 @@
     python scripts/merge_shards.py results/math500/qwen3_4b/vase_attnv-b1024-1a2b3c-s0
 
 The argument is the common prefix of the shard directories (``<prefix>-shard<i>of<n>``); the merged run goes to
-``<prefix>`` (``samples.jsonl``, ``batches.jsonl``, ``config.yaml`` and ``protocol.json`` of shard 0, ``metrics.json``).
+``<prefix>`` (``samples.jsonl``, ``throughput.jsonl``, ``config.yaml`` and ``protocol.json`` of shard 0,
+``metrics.json``).
 Every shard must hold the same protocol; missing shards are reported and the merged metrics say ``complete: false``.
 """
 
@@ -19,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vase.run.results import BATCHES, SAMPLES, append_jsonl, read_jsonl_tolerant, write_json  # noqa: E402
-from vase.run.runner import compute_metrics  # noqa: E402
+from vase.run.records import compute_metrics  # noqa: E402
+from vase.run.results import SAMPLES, THROUGHPUT, append_jsonl, read_jsonl_tolerant, write_json  # noqa: E402
 
 
 def merge(prefix: Path) -> dict:
@@ -40,7 +41,7 @@ def merge(prefix: Path) -> dict:
     present = {int(re.search(r"shard(\d+)of", s.name).group(1)) for s in shards}
     missing = sorted(set(range(total)) - present)
     prefix.mkdir(parents=True, exist_ok=True)
-    for name in (SAMPLES, BATCHES):
+    for name in (SAMPLES, THROUGHPUT):
         (prefix / name).unlink(missing_ok=True)
         for s in shards:
             append_jsonl(prefix / name, read_jsonl_tolerant(s / name))
@@ -57,7 +58,7 @@ def merge(prefix: Path) -> dict:
     info["run_dir"] = str(prefix)
     info["shards_merged"] = sorted(present)
     expected = sum(m.get("problems_expected", 0) for m in shard_metrics)
-    metrics = compute_metrics(prefix, ids, first["n_samples"], info, [1, 2, 4, 8, 16])
+    metrics = compute_metrics(prefix, ids, first["n_samples"], info, [1, 2, 4, 8, 16], restrict=True)
     metrics["problems_expected"] = max(expected, len(ids))
     metrics["complete"] = (
         bool(metrics.get("complete"))

@@ -347,9 +347,8 @@ def test_tables_written_and_csv_values(tree_dir: Path, tmp_path: Path):
 def test_report_renders_every_figure(tree_dir: Path, tmp_path: Path):
     from vase.run.kept_sets import KeptEvent, KeptSetRecorder, kept_sets_path
 
-    rec = KeptSetRecorder()
-    rec.events = [KeptEvent("p0", 0, 0, np.array([0, 1]), np.array([[[0, 1], [0, 2]], [[0, 1], [3, 4]]]))]
-    rec.dump(kept_sets_path(tree_dir / "gsm8k" / "a", "p0"))
+    event = KeptEvent("p0", 0, 0, np.array([0, 1]), np.array([[[0, 1], [0, 2]], [[0, 1], [3, 4]]]))
+    KeptSetRecorder().dump(kept_sets_path(tree_dir / "gsm8k" / "a", "p0"), [event])
     # the GSM8K pilot shape: many policies at one budget
     make_run(tree_dir, "pilot/random", "gsm8k", "random", 64, {"p0": [0, 0], "p1": [1, 0], "p2": [0, 0]})
     for n in (16, 256):

@@ -49,60 +49,56 @@ def test_layers_are_compared_at_the_same_eviction_only():
     assert np.isnan(d["layers"]) and d["layers_pairs"] == 0
 
 
-def fake_cache(rows: int = 3):
-    """What the recorder uses of a VaseCache: geometry, on_evict, row_ids kept in step by select_rows."""
-    cache = SimpleNamespace(geometry=SimpleNamespace(rows=rows), on_evict=None, selected=[], row_ids=list(range(rows)))
-
-    def select_rows(index):
-        cache.selected.append(index.tolist())
-        cache.row_ids = [cache.row_ids[i] for i in index.tolist()]
-
-    cache.select_rows = select_rows
-    return cache
+def fake_cache():
+    """What the recorder uses of a VaseCache: its ``on_evict`` hook."""
+    return SimpleNamespace(on_evict=None)
 
 
 def test_recorder_follows_rows_and_caps_memory(tmp_path: Path):
-    cache = fake_cache(3)
+    """Rows are named by the decoder's row ids; each row counts its own evictions; the cap applies per row."""
+    cache = fake_cache()
     rec = KeptSetRecorder(every=2, max_events_per_layer=2)
-    rec.attach(cache, problem_id="q/1", samples=[4, 5, 6])
-    layer = SimpleNamespace(layer_idx=1, owner=cache)
+    rec.attach(cache)
+    layer = SimpleNamespace(layer_idx=1)
     kept = torch.tensor([[[3, 1, 2]], [[0, 1, 2]], [[5, 6, 7]]])
+    rows = [("q/1", 4), ("q/1", 5), ("q/1", 6)]
     for _ in range(3):
-        cache.on_evict(layer, None, kept)  # evictions 0, 1, 2 -> 0 and 2 recorded
-    cache.select_rows(torch.tensor([0, 2]))  # sample 5 finished; the cache's own select_rows still runs
-    assert cache.selected == [[0, 2]]
+        cache.on_evict(layer, rows, None, kept)  # evictions 0, 1, 2 -> 0 and 2 recorded
+    # sample 5 finished; a row of another problem now evicts in the same call
     for _ in range(2):
-        cache.on_evict(layer, None, kept[[0, 2]])  # evictions 3, 4 -> 4 recorded; only the last 2 kept
-    assert [e.index for e in rec.events] == [2, 4]
-    assert rec.events[-1].samples.tolist() == [4, 6]
-    assert rec.events[0].kept[0, 0].tolist() == [1, 2, 3]  # sorted, int32
-    assert rec.events[0].kept.dtype == np.int32
-    path = rec.dump(kept_sets_path(tmp_path, "q/1"))
+        cache.on_evict(layer, [rows[0], ("other", 0), rows[2]], None, kept)  # q/1 evictions 3, 4 -> 4 recorded
+    mine = [e for e in rec.events if e.problem_id == "q/1"]
+    assert [e.index for e in mine] == [0, 2, 4]  # sample 5 keeps its last two (0, 2); samples 4 and 6: (2, 4)
+    assert [e.samples.tolist() for e in mine] == [[5], [4, 5, 6], [4, 6]]
+    assert [e.index for e in rec.events if e.problem_id == "other"] == [0]  # its own count, not q/1's
+    assert mine[1].kept[0, 0].tolist() == [1, 2, 3]  # sorted, int32
+    assert mine[1].kept.dtype == np.int32
+    taken = rec.take("q/1")
+    assert [e.index for e in taken] == [0, 2, 4] and all(e.problem_id == "other" for e in rec.events)
+    path = rec.dump(kept_sets_path(tmp_path, "q/1"), taken)
     assert path == tmp_path / "kept_sets" / "q_1.npz"
     loaded = load_kept_sets(path)
-    assert [(e.problem_id, e.layer, e.index) for e in loaded] == [("q/1", 1, 2), ("q/1", 1, 4)]
-    np.testing.assert_array_equal(loaded[1].kept, rec.events[1].kept)
-    assert diversity_from_run(tmp_path)["samples"] == pytest.approx((0.5 + 0 + 0 + 0) / 4)  # 3 pairs at 2, 1 at 4
+    assert [(e.problem_id, e.layer, e.index) for e in loaded] == [("q/1", 1, 0), ("q/1", 1, 2), ("q/1", 1, 4)]
+    np.testing.assert_array_equal(loaded[1].kept, taken[1].kept)
+    # across samples: 3 pairs at index 2 (4-5: {123}v{012} = 2/4, 4-6: 0, 5-6: 0) and 1 at index 4 (4-6: 0)
+    assert diversity_from_run(tmp_path)["samples"] == pytest.approx((0.5 + 0 + 0 + 0) / 4)
     assert diversity_from_run(tmp_path / "nothing") is None
 
 
-def test_recorder_reads_the_caches_row_ids():
-    """The recorder labels rows with the cache's ``row_ids`` (kept in step by ``select_rows``), never wraps it."""
-    cache = fake_cache(3)
-    original = cache.select_rows
+def test_recorder_names_bare_sample_rows_with_the_attached_problem():
+    """``generate`` names rows by their sample index: the recorder labels them with the problem it was given."""
+    cache = fake_cache()
     rec = KeptSetRecorder()
-    rec.attach(cache, samples=[7, 8, 9])
-    assert cache.row_ids == [7, 8, 9] and cache.select_rows is original
-    cache.row_ids = [7, 9]  # what the cache's select_rows([0, 2]) does
-    cache.on_evict(SimpleNamespace(layer_idx=0, owner=cache), None, torch.zeros(2, 1, 3, dtype=torch.long))
-    assert rec.events[0].samples.tolist() == [7, 9]
+    rec.attach(cache, problem_id="p7")
+    cache.on_evict(SimpleNamespace(layer_idx=0), [7, 9], None, torch.zeros(2, 1, 3, dtype=torch.long))
+    assert rec.events[0].samples.tolist() == [7, 9] and rec.events[0].problem_id == "p7"
 
 
 def test_recorder_bad_settings():
     with pytest.raises(ValueError, match="every"):
         KeptSetRecorder(every=0)
-    with pytest.raises(ValueError, match="samples"):
-        KeptSetRecorder().attach(fake_cache(2), samples=[0])
+    with pytest.raises(ValueError, match="max_events_per_layer"):
+        KeptSetRecorder(max_events_per_layer=0)
 
 
 def test_recorder_on_a_real_generation(tmp_path: Path):
@@ -129,10 +125,11 @@ def test_recorder_on_a_real_generation(tmp_path: Path):
             sampling=SamplingConfig(),
             max_new_tokens=60,
             ignore_eos=True,
-            on_cache=lambda c, r=rec: r.attach(c, problem_id="p0", samples=[0, 1]),
+            on_cache=lambda c, r=rec: r.attach(c, problem_id="p0"),
         )
         n_layers = model.config.num_hidden_layers
-        assert len(rec.events) == out.stats["evictions"] > 0
+        # the two rows evict together: one grouped event per (layer, eviction); stats count per row
+        assert 2 * len(rec.events) == out.stats["evictions"] > 0
         assert {e.layer for e in rec.events} == set(range(n_layers))
         for e in rec.events:
             assert e.kept.shape == (2, model.config.num_key_value_heads, 16)

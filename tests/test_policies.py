@@ -153,6 +153,23 @@ def test_eviction_contract(name, layout):
     assert torch.equal(policy.keep(row(inputs, 1, seed=101)), idx[1:2])
 
 
+def selection_inputs(query, keys, state=None, lengths=None, capacity=None) -> SelectionInputs:
+    """What the engine hands Quest at a decode step: rows hold ``lengths`` (default: all of ``keys``)."""
+    b, _, length, _ = keys.shape
+    lengths = [length] * b if lengths is None else list(lengths)
+    return SelectionInputs(
+        query=query,
+        keys=keys,
+        length=length,
+        lengths=torch.tensor(lengths),
+        lengths_host=lengths,
+        capacity=capacity or length,
+        n_new=1,
+        layer_idx=0,
+        state={} if state is None else state,
+    )
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_quest_contract(layout):
     h, hq = LAYOUTS[layout]
@@ -160,7 +177,7 @@ def test_quest_contract(layout):
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(3, h, 100, DIM, generator=g)
     query = torch.randn(3, hq, 1, DIM, generator=g)
-    mask = policy.select(SelectionInputs(query=query, keys=keys, length=100, n_new=1, layer_idx=0, state={}))
+    mask = policy.select(selection_inputs(query, keys))
     assert mask.shape == (3, h, 100) and mask.dtype == torch.bool
     assert mask[..., 96:].all(), "the current page (tokens 96..99) must always be attended"
     assert mask.sum(-1).eq(32 + 4).all()  # budget // 16 = 2 full pages + the 4-token current page
@@ -170,8 +187,24 @@ def test_quest_contract(layout):
     chosen = mask[..., :96].view(3, h, 6, 16).all(-1)
     assert torch.equal(chosen, torch.zeros_like(chosen).scatter_(-1, bound.topk(2, dim=-1).indices, True))
     # Everything fits: attend to all.
-    small = SelectionInputs(query=query, keys=keys[:, :, :40], length=40, n_new=1, layer_idx=0, state={})
-    assert policy.select(small) is None
+    assert policy.select(selection_inputs(query, keys[:, :, :40])) is None
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_quest_rows_of_different_lengths_equal_each_row_alone(layout):
+    """Continuous batching: rows holding different lengths get, each, the mask it gets alone."""
+    h, hq = LAYOUTS[layout]
+    policy = load_policy("quest", budget=32)
+    g = torch.Generator().manual_seed(2)
+    keys = torch.randn(3, h, 100, DIM, generator=g)
+    query = torch.randn(3, hq, 1, DIM, generator=g)
+    lengths = [100, 71, 40]
+    mask = policy.select(selection_inputs(query, keys, lengths=lengths, capacity=128))
+    assert mask.shape == (3, h, 100)
+    for i, length in enumerate(lengths):
+        alone = policy.select(selection_inputs(query[i : i + 1], keys[i : i + 1, :, :length], capacity=128))
+        want = torch.ones(1, h, length, dtype=torch.bool) if alone is None else alone
+        assert torch.equal(mask[i : i + 1, :, :length], want), i
 
 
 def test_quest_incremental_state_matches_fresh():
@@ -179,16 +212,16 @@ def test_quest_incremental_state_matches_fresh():
     g = torch.Generator().manual_seed(1)
     keys = torch.randn(2, 2, 130, DIM, generator=g)
     state: dict = {}
-    for length in range(20, 131):
+    for length in range(20, 131):  # one call per decode step, as the engine does
         query = torch.randn(2, 8, 1, DIM, generator=g)
-        n_new = 20 if length == 20 else 1
-        got = policy.select(SelectionInputs(query, keys[:, :, :length], length, n_new, 0, state))
-        want = policy.select(SelectionInputs(query, keys[:, :, :length], length, n_new, 0, {}))
+        got = policy.select(selection_inputs(query, keys[:, :, :length], state, capacity=130))
+        want = policy.select(selection_inputs(query, keys[:, :, :length], capacity=130))
         assert (got is None and want is None) or torch.equal(got, want), length
         if got is not None:
             kmax, kmin = page_min_max(keys[:, :, :length], 16)
-            assert torch.equal(state["kmax"], kmax) and torch.equal(state["kmin"], kmin)
-            assert state["kmax"].shape[0] == 2  # batch-first: finished rows can be dropped
+            pages = kmax.shape[2]
+            assert torch.equal(state["kmax"][:, :, :pages], kmax) and torch.equal(state["kmin"][:, :, :pages], kmin)
+            assert state["kmax"].shape[:3] == (2, 2, 9)  # row-first, allocated once for the capacity's pages
 
 
 # ---- VaSE-AttnV -----------------------------------------------------------------------------------------------------

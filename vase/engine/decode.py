@@ -1,14 +1,28 @@
-"""The decode loop (ours, not ``generate``): prefill once, then decode ``n`` samples of one prompt as one batch.
+"""The decode loop (ours, not ``generate``): continuous batching of many prompts' samples on one static cache.
 
-* The prompt is prefilled once (batch 1) and shared by every row of the static cache; no padding ever.
-* Position ids come from the true token count (``prompt_len + step``), never from the cache length.
-* Sampling: temperature / top-k / top-p, or greedy (``temperature=0``). Each row has its own seeded generators
-  (one for tokens, one for the policy's eviction randomness), so a row's output does not depend on the other rows.
-* EOS tokens, stop strings and a max-length limit; finished rows leave the batch (the cache compacts in place),
-  so they stop costing compute.
-* Host synchronisation: generated tokens are copied to the host every ``sync_every`` steps only (1 on CPU, where
-  it is free; 16 on CUDA). Rows that finished in between decode a few extra tokens that are discarded.
-* Per-step measurement hook ``on_step(StepInfo)``.
+:class:`Decoder` takes :class:`Request` s (a prompt and the seeds of its samples) and yields a :class:`Finished`
+sample as soon as it ends:
+
+* Rows. The cache has ``rows`` slots, allocated once. When a row finishes, its slot goes to the next pending sample:
+  that sample's prompt is prefilled once (batch 1) for all the samples that enter together, and decoding goes on for
+  every live row. When nothing is pending, the last live rows move into the holes, so finished rows stop costing
+  compute. Rows of different prompts hold different lengths; attention masks each row to its own tokens.
+* Position ids come from each row's true token count (``prompt_len + step``), never from the cache length.
+* Sampling: temperature / top-k / top-p, or greedy (``temperature=0``). Each row has its own seeded generators (one
+  for tokens, one for the policy's eviction randomness), so a sample's tokens do not depend on which other samples
+  share the batch.
+* A sample ends at an EOS token, a stop string, its length limit (``max_length - prompt_len`` new tokens) or a
+  numerical failure (non-finite logits: ``finish_reason="nonfinite"``, its tokens kept up to the failure; the row is
+  scrubbed and the decode goes on). A prompt that leaves no room under ``max_length`` ends its samples at once
+  (``"prompt_too_long"``).
+* Host synchronisation: tokens are copied to the host every ``sync_every`` steps (1 on CPU, where it is free; 16 on
+  CUDA) and when a row reaches its length limit; new rows enter at those points. Rows that ended in between decode
+  a few extra tokens that are discarded.
+* Hooks: ``on_step(StepInfo)`` after every decode step, ``on_logits(step, logits)`` after every forward (step 0 is a
+  prefill), ``on_cache(cache)`` once.
+
+:func:`generate` is the one-prompt form (its ``n_samples`` rows decoded together), used by tests, analyses and
+benchmarks.
 """
 
 from __future__ import annotations
@@ -16,96 +30,83 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from vase.engine.attention import ATTN_NAME, resolve_backend
 from vase.engine.cache import CacheGeometry, VaseCache, cache_capacity
 from vase.engine.policy import Policy
+from vase.engine.sampling import SamplingConfig, candidate_distribution, sample_seeds, sample_tokens
 from vase.models import check_architecture
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "FINISH_REASONS",
+    "Decoder",
+    "Finished",
+    "GenerationOutput",
+    "Request",
+    "SamplingConfig",
+    "StepInfo",
+    "candidate_distribution",
+    "generate",
+    "sample_seeds",
+    "sample_tokens",
+    "vase_attention",
+]
+
+FINISH_REASONS = ("eos", "stop", "length", "nonfinite", "prompt_too_long")
+EVICT_SEED_XOR = 0x5EED_CAFE
+EMPTY_STATS = {"decode_steps": 0, "evictions": 0, "eviction_seconds": 0.0, "attended_tokens": None}
+
 
 @dataclass
-class SamplingConfig:
-    """Token sampling settings. ``temperature=0`` (or ``greedy=True``) means greedy decoding.
+class Request:
+    """A prompt and the samples to draw from it.
 
     Attributes:
-        temperature: softmax temperature (> 0), or 0 for greedy.
-        top_p: nucleus mass in (0, 1]; 1 disables it.
-        top_k: keep the k most likely tokens; 0 disables it.
-        greedy: force argmax decoding.
+        prompt_ids: the prompt's token ids ``(P,)``.
+        seeds: one seed per sample (row ``i``'s token and eviction generators derive from ``seeds[i]``).
+        key: the caller's id for the prompt (e.g. the problem id); returned with each finished sample.
+        samples: the caller's index of each sample (default ``0 .. len(seeds) - 1``).
+        max_new_tokens: this prompt's output cap (default: the decoder's ``max_new_tokens``); ``max_length`` always
+            applies too.
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    greedy: bool = False
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"generation.temperature: must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"generation.top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"generation.top_k: must be >= 0 (0 = off), got {self.top_k}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.greedy or self.temperature == 0
+    prompt_ids: Sequence[int] | torch.Tensor
+    seeds: Sequence[int]
+    key: Any = None
+    samples: Sequence[int] | None = None
+    max_new_tokens: int | None = None
 
 
-def sample_seeds(seed: int, n: int) -> list[int]:
-    """The per-row seed stream of a generation: row ``i`` of seed ``s`` always gets the same seed."""
-    return [(seed * 1_000_003 + i) % (2**63 - 1) for i in range(n)]
+@dataclass
+class Finished:
+    """One finished sample.
 
-
-def candidate_distribution(logits: torch.Tensor, cfg: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Temperature, then top-k, then top-p (on the renormalised top-k mass), as in transformers' warpers.
-
-    Args:
-        logits: ``(B, V)``.
-
-    Returns:
-        ``probs (B, C)`` over ``C`` candidate tokens and their vocabulary ids ``(B, C)`` (``None`` when the
-        candidates are the whole vocabulary in order). Restricting to the top-k first keeps sampling cheap with
-        large vocabularies.
+    Attributes:
+        key, sample, seed: as in its :class:`Request`.
+        tokens: generated token ids (the EOS token or the stop string's last token included, nothing after it).
+        finish_reason: one of :data:`FINISH_REASONS`.
+        prompt_len: prompt tokens.
+        stats: ``decode_steps`` (forwards the row took part in), ``evictions`` (eviction events summed over layers),
+            ``eviction_seconds`` (its share), ``held_tokens`` (mean tokens held per layer and KV head over its
+            decode steps), ``attended_tokens`` (selection policies: mean tokens attended per step, KV head and
+            layer), ``first_step`` / ``last_step`` (the decoder's step counter when it entered and ended).
     """
-    logits = logits.float() / cfg.temperature
-    ids = None
-    if cfg.top_k and cfg.top_k < logits.shape[-1]:
-        logits, ids = logits.topk(cfg.top_k, dim=-1)  # sorted, descending
-    if cfg.top_p < 1.0:
-        if ids is None:
-            logits, ids = logits.sort(dim=-1, descending=True)
-        probs = logits.softmax(dim=-1)
-        # Drop a token when the mass strictly before it already reaches top_p (the top token always stays).
-        drop = (probs.cumsum(dim=-1) - probs) >= cfg.top_p
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(dim=-1), ids
 
-
-def sample_tokens(logits: torch.Tensor, cfg: SamplingConfig, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """Pick one token per row from ``logits (B, V)``: argmax, or an exponential race with per-row noise.
-
-    The race ``argmax(p / E)``, ``E ~ Exp(1)`` drawn from row ``b``'s generator, samples exactly from ``p``; a row's
-    draw never depends on the other rows. Returns ``(B,)`` int64.
-    """
-    if cfg.is_greedy:
-        # Same first-maximum index as argmax; torch's CPU max-with-indices is ~4x faster on (16, 32K) bf16 logits.
-        return logits.max(dim=-1).indices
-    probs, ids = candidate_distribution(logits, cfg)
-    noise = torch.empty_like(probs)
-    for row, g in enumerate(generators):
-        if g.device == noise.device:
-            noise[row].exponential_(generator=g)
-        else:
-            noise[row] = torch.empty(probs.shape[-1], device=g.device).exponential_(generator=g).to(noise.device)
-    choice = (probs / noise).argmax(dim=-1)
-    return choice if ids is None else ids.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+    key: Any
+    sample: int
+    seed: int
+    tokens: list[int]
+    finish_reason: str
+    prompt_len: int
+    stats: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -113,40 +114,54 @@ class StepInfo:
     """Passed to ``on_step`` after every decode step (wall times are exact on CPU; on CUDA they lag the device).
 
     Attributes:
-        step: decode steps done (the token fed by this step sits at position ``prompt_len + step - 1``).
-        active_rows: rows still decoding; ``rows`` their sample indices.
+        step: decode steps done by the decoder.
+        active_rows: rows that took part in this step; ``rows`` their ids (the sample index for :func:`generate`,
+            ``(key, sample)`` otherwise).
         tokens: ``(active_rows,)`` the tokens just sampled (on the device: reading them synchronises).
-        cache_length: tokens held per (layer, row, KV head) after this step's eviction check.
+        cache_length: tokens held by the longest row (per layer and KV head) after this step's eviction check.
+        evicted_rows: rows (positions in ``rows``) that evicted at this step.
     """
 
     step: int
     active_rows: int
-    rows: list[int]
+    rows: list
     tokens: torch.Tensor
     cache_length: int
     evictions: int
     eviction_seconds: float
     wall_seconds: float
+    evicted_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
-class GenerationOutput:
-    """Result of :func:`generate`.
+class DecodeStats:
+    """Totals of a :class:`Decoder` so far (throughput is ``tokens / decode_seconds``)."""
 
-    Attributes:
-        tokens: generated token ids per sample (stop string / EOS token included, nothing after it).
-        finish_reasons: per sample, ``"eos"``, ``"stop"`` or ``"length"``.
-        prompt_len: prompt tokens.
-        stats: ``prefill_seconds``, ``decode_seconds``, ``decode_tokens``, ``kv_cache_bytes``, ``aux_bytes``,
-            ``capacity``, ``evictions``, ``eviction_seconds``, ``attended_tokens`` (mean per step, row, KV head and
-            layer; selection policies), ``held_tokens`` (mean held per layer/row/head over decode steps),
-            ``finish_step`` per sample.
-    """
+    prefills: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    row_steps: int = 0  # tokens decoded by forwards (rows x steps), the discarded ones after a row's end included
+    tokens: int = 0  # tokens of finished samples
+    decode_seconds: float = 0.0
+    samples: int = 0
+    max_live_rows: int = 0
 
-    tokens: list[list[int]]
-    finish_reasons: list[str]
+
+@dataclass
+class _Row:
+    key: Any
+    sample: int
+    seed: int
+    rid: Any
+    generator: torch.Generator
+    limit: int
     prompt_len: int
-    stats: dict = field(default_factory=dict)
+    first_step: int
+    tokens: list[int] = field(default_factory=list)
+    produced: int = 0  # tokens sampled so far (the pending ones included)
+    held_sum: int = 0
+    steps: int = 0
 
 
 @contextlib.contextmanager
@@ -158,6 +173,371 @@ def vase_attention(model):
         yield model
     finally:
         model.set_attn_implementation(previous)
+
+
+def model_geometry(model, rows: int, capacity: int, prompt_len: int = 0) -> CacheGeometry:
+    """The cache geometry of ``model`` for ``rows`` rows of ``capacity`` slots (dtype and device of its weights)."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    param = next(model.parameters())
+    return CacheGeometry(
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=cfg.num_key_value_heads,
+        num_q_heads=cfg.num_attention_heads,
+        head_dim=head_dim,
+        rows=rows,
+        capacity=capacity,
+        dtype=param.dtype,
+        device=param.device,
+        prompt_len=prompt_len,
+    )
+
+
+class Decoder:
+    """Decode requests under one policy on one static cache of ``rows`` rows × ``capacity`` slots.
+
+    Args:
+        model: a Qwen3 / Qwen2 / Llama causal LM (transformers).
+        policy: the cache policy (its ``budget``/``window`` define the eviction schedule).
+        rows: rows in flight (slots of the static cache).
+        capacity: token slots per row; every request must fit (:func:`~vase.engine.cache.cache_capacity` of its
+            prompt and output cap).
+        sampling: see :class:`SamplingConfig` (default: temperature 1).
+        max_new_tokens / max_length: default output cap and prompt + output cap (the smaller wins per request).
+        eos_token_ids: tokens that end a sample; ignored with ``ignore_eos`` (benchmarks).
+        stop_strings: strings that end a sample (needs ``tokenizer``).
+        attn_backend: ``auto`` | ``sdpa`` | ``eager`` | ``flash_attn``.
+        sync_every: copy tokens to the host every k steps (default 1 on CPU, 16 on CUDA).
+        on_step / on_logits / on_cache: hooks (see the module docstring).
+        check_policy_output: validate every eviction's indices (debug; syncs per eviction).
+        row_id: how a row is named in hooks and in the cache (default ``(key, sample)``).
+    """
+
+    def __init__(
+        self,
+        model,
+        policy: Policy,
+        *,
+        rows: int,
+        capacity: int,
+        sampling: SamplingConfig | None = None,
+        max_new_tokens: int | None = None,
+        max_length: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        tokenizer=None,
+        attn_backend: str = "auto",
+        sync_every: int | None = None,
+        ignore_eos: bool = False,
+        on_step: Callable[[StepInfo], None] | None = None,
+        on_logits: Callable[[int, torch.Tensor], None] | None = None,
+        on_cache: Callable[[VaseCache], None] | None = None,
+        check_policy_output: bool = False,
+        row_id: Callable[[Any, int], Any] | None = None,
+    ):
+        check_architecture(model.config)
+        policy.validate()
+        if not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"generation.max_rows: must be an integer >= 1, got {rows!r}")
+        if max_new_tokens is None and max_length is None:
+            raise ValueError("max_length: set max_length (prompt + output tokens) or max_new_tokens")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings: a tokenizer is needed to match stop strings")
+        if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
+            raise ValueError(f"generation.sync_every: must be an integer >= 1 (or null), got {sync_every!r}")
+        self.model = model
+        self.policy = policy
+        self.sampling = sampling or SamplingConfig()
+        self.max_new_tokens = max_new_tokens
+        self.max_length = max_length
+        self.device = next(model.parameters()).device
+        self.backend = resolve_backend(attn_backend, self.device)
+        self.sync_every = sync_every or (16 if self.device.type == "cuda" else 1)
+        self.eos = set() if ignore_eos else {int(t) for t in eos_token_ids}
+        self.stop_strings = list(stop_strings)
+        self.max_stop = max((len(s) for s in stop_strings), default=0)
+        self.tokenizer = tokenizer
+        self.on_step, self.on_logits = on_step, on_logits
+        self.row_id = row_id or (lambda key, sample: (key, sample))
+        self.geometry = model_geometry(model, rows, capacity)
+        head_dim = self.geometry.head_dim
+        self.cache = VaseCache(
+            self.geometry,
+            policy,
+            scaling=head_dim**-0.5,
+            attn_backend=self.backend,
+            check_policy_output=check_policy_output,
+        )
+        if on_cache is not None:
+            on_cache(self.cache)
+        self.stats = DecodeStats()
+        self.step = 0
+        self._slots: list[_Row | None] = [None] * rows
+        self._next_tok = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self._buf = torch.zeros((rows, self.sync_every), dtype=torch.long, device=self.device)
+        self._finite = torch.ones((rows, self.sync_every), dtype=torch.bool, device=self.device)
+        self._t0 = time.perf_counter()
+
+    # ---- public ------------------------------------------------------------------------------------------------
+    def limit_for(self, prompt_len: int, max_new_tokens: int | None = None) -> int:
+        """New tokens a prompt of ``prompt_len`` may get (< 1: the prompt leaves no room under ``max_length``)."""
+        caps = [c for c in (max_new_tokens, self.max_new_tokens) if c is not None]
+        limit = min(caps) if caps else None
+        if self.max_length is not None:
+            room = self.max_length - prompt_len
+            limit = room if limit is None else min(limit, room)
+        return int(limit)
+
+    @torch.inference_mode()
+    def run(self, requests: Iterable[Request]) -> Iterator[Finished]:
+        """Decode every sample of ``requests`` (in order of entry; continuous batching); yield each as it ends."""
+        queue: deque[tuple[Request, list[int], list[int], int, torch.Tensor]] = deque()
+        for req in requests:
+            prompt = torch.as_tensor(req.prompt_ids, dtype=torch.long).flatten()
+            samples = list(req.samples) if req.samples is not None else list(range(len(req.seeds)))
+            if len(samples) != len(req.seeds):
+                raise ValueError(f"seeds: {len(req.seeds)} seeds for {len(samples)} samples of request {req.key!r}")
+            if prompt.numel() < 1:
+                raise ValueError(f"prompt: request {req.key!r} has an empty prompt")
+            limit = self.limit_for(prompt.numel(), req.max_new_tokens)
+            if limit >= 1:
+                need = cache_capacity(self.policy, prompt.numel(), limit)
+                if need > self.geometry.capacity:
+                    raise ValueError(
+                        f"request {req.key!r}: a prompt of {prompt.numel()} tokens with {limit} new tokens needs "
+                        f"{need} cache slots per row, the cache has {self.geometry.capacity}"
+                    )
+            queue.append((req, samples, list(req.seeds), limit, prompt))
+        with vase_attention(self.model):
+            while True:
+                yield from self._admit(queue)
+                n = self._compact()
+                if n == 0:
+                    if not queue:
+                        break
+                    continue
+                yield from self._decode_until_sync(n)
+
+    # ---- admission -----------------------------------------------------------------------------------------
+    def _admit(self, queue) -> Iterator[Finished]:
+        """Give free rows to pending samples (holes first); a prompt is prefilled once for the samples entering now."""
+        while queue:
+            req, samples, seeds, limit, prompt = queue[0]
+            if limit < 1:  # no room for a single new token: every sample of the prompt ends now
+                queue.popleft()
+                for s, seed in zip(samples, seeds):
+                    self.stats.samples += 1
+                    stats = {**EMPTY_STATS, "held_tokens": float(prompt.numel()), "first_step": self.step}
+                    stats["last_step"] = self.step
+                    yield Finished(req.key, s, seed, [], "prompt_too_long", prompt.numel(), stats)
+                continue
+            free = [r for r, row in enumerate(self._slots) if row is None]
+            if not free:
+                return
+            k = min(len(free), len(samples))
+            slots, take, take_seeds = free[:k], samples[:k], seeds[:k]
+            del samples[:k], seeds[:k]
+            if not samples:
+                queue.popleft()
+            yield from self._prefill(req, prompt, slots, take, take_seeds, limit)
+
+    def _prefill(self, req: Request, prompt, slots, samples, seeds, limit) -> Iterator[Finished]:
+        sync = self.device.type == "cuda"
+        t0 = time.perf_counter()
+        p = prompt.numel()
+        rows = []
+        for s, seed in zip(samples, seeds):
+            rows.append(
+                _Row(
+                    key=req.key,
+                    sample=s,
+                    seed=seed,
+                    rid=self.row_id(req.key, s),
+                    generator=torch.Generator(device=self.device).manual_seed(seed),
+                    limit=limit,
+                    prompt_len=p,
+                    first_step=self.step,
+                )
+            )
+        evict_gens = [torch.Generator(device=self.device).manual_seed(seed ^ EVICT_SEED_XOR) for seed in seeds]
+        self.cache.begin_prefill(slots, evict_gens, [row.rid for row in rows])
+        logits = self.model(
+            input_ids=prompt.view(1, -1).to(self.device),
+            position_ids=torch.arange(p, device=self.device).view(1, -1),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+            vase_cache=self.cache,
+        ).logits[:, -1]
+        self.cache.end_prefill(p)
+        if self.on_logits is not None:
+            self.on_logits(0, logits)
+        finite = bool(torch.isfinite(logits.sum(dtype=torch.float32)))
+        first = sample_tokens(logits.expand(len(rows), -1), self.sampling, [row.generator for row in rows])
+        first_host = first.tolist()
+        idx = torch.tensor(slots, device=self.device)
+        self._next_tok[idx] = first
+        if sync:
+            torch.cuda.synchronize(self.device)
+        self.stats.prefills += 1
+        self.stats.prefill_tokens += p
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        for r, row, tok in zip(slots, rows, first_host):
+            self._slots[r] = row
+            row.produced = 1
+            reason = self._take(row, tok, finite)
+            if reason is not None:
+                yield self._finish(r, reason)
+
+    def _compact(self) -> int:
+        """Move the last live rows into the holes so that rows ``[0, n)`` are the live ones; return ``n``."""
+        live = [r for r, row in enumerate(self._slots) if row is not None]
+        n = len(live)
+        holes = [r for r in range(n) if self._slots[r] is None]
+        movers = [r for r in live if r >= n]
+        for dst, src in zip(holes, movers):
+            self.cache.move_row(src, dst)
+            self._slots[dst], self._slots[src] = self._slots[src], None
+            self._next_tok[dst] = self._next_tok[src]
+        return n
+
+    # ---- decode steps ----------------------------------------------------------------------------------------
+    def _decode_until_sync(self, n: int) -> Iterator[Finished]:
+        """Decode the live rows ``[0, n)`` until a sync point, then read their tokens and end the finished ones."""
+        cache, rows = self.cache, self._slots[:n]
+        gens = [row.generator for row in rows]
+        sync = self.device.type == "cuda"
+        t0 = time.perf_counter()
+        pending = 0
+        self.stats.max_live_rows = max(self.stats.max_live_rows, n)
+        while True:
+            cache.prepare_step(n)
+            logits = self.model(
+                input_ids=self._next_tok[:n].view(n, 1),
+                position_ids=cache.pos_t[:n].view(n, 1),
+                cache=cache,
+                use_cache=True,
+                    vase_cache=cache,
+            ).logits[:, -1]
+            cache.advance()
+            self.step += 1
+            if self.on_logits is not None:
+                self.on_logits(self.step, logits)
+            self._finite[:n, pending] = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+            for r, row in enumerate(rows):
+                row.held_sum += cache.lengths[r]
+                row.steps += 1
+            evicted = cache.evict_due()
+            tok = sample_tokens(logits, self.sampling, gens)
+            self._next_tok[:n] = tok
+            self._buf[:n, pending] = tok
+            pending += 1
+            at_limit = False
+            for row in rows:
+                row.produced += 1
+                at_limit |= row.produced >= row.limit
+            self.stats.decode_steps += 1
+            self.stats.row_steps += n
+            if self.on_step is not None:
+                self.on_step(
+                    StepInfo(
+                        self.step,
+                        n,
+                        [row.rid for row in rows],
+                        tok,
+                        cache.length,
+                        cache.evictions(),
+                        cache.eviction_seconds(),
+                        time.perf_counter() - self._t0,
+                        evicted,
+                    )
+                )
+            if pending == self.sync_every or at_limit:
+                break
+        host = self._buf[:n, :pending].tolist()
+        finite = self._finite[:n, :pending].tolist()
+        if sync:
+            torch.cuda.synchronize(self.device)
+        self.stats.decode_seconds += time.perf_counter() - t0
+        for r, row in enumerate(rows):
+            for tok, ok in zip(host[r], finite[r]):
+                reason = self._take(row, tok, ok)
+                if reason is not None:
+                    yield self._finish(r, reason)
+                    break
+
+    def _take(self, row: _Row, tok: int, finite: bool) -> str | None:
+        """Append a sampled token to ``row``; return its finish reason if the row ends with it."""
+        if not finite:  # the logits that produced this token were NaN/inf: the token is not kept
+            return "nonfinite"
+        row.tokens.append(tok)
+        if tok in self.eos:
+            return "eos"
+        if self.max_stop and _hits_stop(self.tokenizer, row.tokens, self.stop_strings, self.max_stop):
+            return "stop"
+        if len(row.tokens) >= row.limit:
+            return "length"
+        return None
+
+    def _finish(self, slot: int, reason: str) -> Finished:
+        row = self._slots[slot]
+        cache = self.cache
+        st = cache.row_stats(slot)
+        g = self.geometry
+        attended = st.pop("attended_tokens_sum")
+        if attended is not None:
+            attended = attended / (row.steps * g.num_kv_heads * g.num_layers) if row.steps else None
+        stats = {
+            "decode_steps": row.steps,
+            "evictions": st["evictions"],
+            "eviction_seconds": st["eviction_seconds"],
+            "held_tokens": row.held_sum / row.steps if row.steps else float(row.prompt_len),
+            "attended_tokens": attended,
+            "first_step": row.first_step,
+            "last_step": self.step,
+        }
+        if reason == "nonfinite":
+            logger.warning(
+                "sample %r of %r: non-finite logits after %d tokens (finish_reason=nonfinite)",
+                row.sample,
+                row.key,
+                len(row.tokens),
+            )
+        cache.release(slot, scrub=reason == "nonfinite")
+        self._slots[slot] = None
+        self.stats.samples += 1
+        self.stats.tokens += len(row.tokens)
+        return Finished(row.key, row.sample, row.seed, row.tokens, reason, row.prompt_len, stats)
+
+
+def _hits_stop(tokenizer, tokens: list[int], stop_strings: Sequence[str], max_stop: int) -> bool:
+    """Whether the decoded tail of ``tokens`` contains a stop string (decodes only the last few tokens)."""
+    tail = tokenizer.decode(tokens[-(max_stop + 8) :], skip_special_tokens=False)
+    return any(s in tail for s in stop_strings)
+
+
+# ---- the one-prompt form ---------------------------------------------------------------------------------------
+@dataclass
+class GenerationOutput:
+    """Result of :func:`generate`.
+
+    Attributes:
+        tokens: generated token ids per sample (stop string / EOS token included, nothing after it).
+        finish_reasons: per sample, one of :data:`FINISH_REASONS`.
+        prompt_len: prompt tokens.
+        stats: ``prefill_seconds``, ``decode_seconds``, ``decode_tokens``, ``decode_steps_rows``, ``kv_cache_bytes``
+            (allocated), ``kv_cache_bytes_expected`` (rows × capacity), ``aux_bytes``, ``capacity``, ``evictions``
+            (events summed over rows and layers), ``eviction_seconds``, ``attended_tokens`` (mean per step, row, KV
+            head and layer; selection policies), ``held_tokens`` (mean held per layer/row/head over decode steps),
+            ``finish_step`` per sample, ``attn_backend``, ``per_sample`` (each :class:`Finished`'s stats).
+    """
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    prompt_len: int
+    stats: dict = field(default_factory=dict)
 
 
 def validate_generation(
@@ -185,7 +565,6 @@ def validate_generation(
     return limit
 
 
-@torch.inference_mode()
 def generate(
     model,
     prompt_ids: Sequence[int] | torch.Tensor,
@@ -208,26 +587,16 @@ def generate(
     on_logits: Callable[[int, torch.Tensor], None] | None = None,
     check_policy_output: bool = False,
 ) -> GenerationOutput:
-    """Decode ``n_samples`` continuations of one prompt under ``policy``.
+    """Decode ``n_samples`` continuations of one prompt under ``policy`` (its samples decoded together).
 
     Args:
         model: a Qwen3 / Qwen2 / Llama causal LM (transformers).
         prompt_ids: the prompt's token ids ``(P,)``.
         policy: the cache policy (its ``budget``/``window`` define the static cache).
         n_samples: rows decoded together.
-        sampling: see :class:`SamplingConfig` (default: temperature 1).
-        max_new_tokens / max_length: output cap and/or prompt + output cap (the smaller wins).
-        eos_token_ids: tokens that end a sample; ignored with ``ignore_eos`` (benchmarks).
-        stop_strings: strings that end a sample (needs ``tokenizer``).
         seed / seeds: the per-row seed stream (``seeds`` overrides; see :func:`sample_seeds`).
-        attn_backend: ``auto`` | ``sdpa`` | ``eager`` | ``flash_attn``.
-        sync_every: copy tokens to the host every k steps (default 1 on CPU, 16 on CUDA).
-        on_step: per-step measurement hook.
-        on_cache: called once with the cache after it is built (analyses: e.g. set ``cache.on_evict``).
-        on_logits: called after every forward with ``(step, logits (active_rows, V))``; step 0 is the prefill.
-        check_policy_output: validate every eviction's indices (debug; syncs per eviction).
+        Others: as :class:`Decoder`; in hooks a row is named by its sample index.
     """
-    sampling = sampling or SamplingConfig()
     prompt = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
     limit = validate_generation(model, prompt.numel(), policy, n_samples, max_new_tokens, max_length)
     if stop_strings and tokenizer is None:
@@ -235,158 +604,50 @@ def generate(
     seeds = list(seeds) if seeds is not None else sample_seeds(seed, n_samples)
     if len(seeds) != n_samples:
         raise ValueError(f"seeds: {len(seeds)} seeds for n_samples={n_samples}")
-    device = next(model.parameters()).device
-    backend = resolve_backend(attn_backend, device)
-    sync_every = sync_every or (16 if device.type == "cuda" else 1)
-    eos = set() if ignore_eos else {int(t) for t in eos_token_ids}
-
-    cfg = model.config
     p = prompt.numel()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    geometry = CacheGeometry(
-        num_layers=cfg.num_hidden_layers,
-        num_kv_heads=cfg.num_key_value_heads,
-        num_q_heads=cfg.num_attention_heads,
-        head_dim=head_dim,
-        rows=n_samples,
-        prompt_len=p,
-        capacity=cache_capacity(policy, p, limit),
-        dtype=next(model.parameters()).dtype,
-        device=device,
-    )
-    tok_gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-    evict_gens = [torch.Generator(device=device).manual_seed(s ^ 0x5EED_CAFE) for s in seeds]
-    cache = VaseCache(
-        geometry,
+    dec = Decoder(
+        model,
         policy,
-        scaling=head_dim**-0.5,
-        evict_generators=evict_gens,
-        attn_backend=backend,
+        rows=n_samples,
+        capacity=cache_capacity(policy, p, limit),
+        sampling=sampling,
+        max_new_tokens=limit,
+        eos_token_ids=eos_token_ids,
+        stop_strings=stop_strings,
+        tokenizer=tokenizer,
+        attn_backend=attn_backend,
+        sync_every=sync_every,
+        ignore_eos=ignore_eos,
+        on_step=on_step,
+        on_logits=on_logits,
+        on_cache=on_cache,
         check_policy_output=check_policy_output,
+        row_id=lambda key, sample: sample,
     )
-    if on_cache is not None:
-        on_cache(cache)
-
-    out_tokens: list[list[int]] = [[] for _ in range(n_samples)]
-    reasons = ["length"] * n_samples
-    finish_step = [limit] * n_samples
-    rows = list(range(n_samples))  # original sample index of each live row
-    max_stop = max((len(s) for s in stop_strings), default=0)
-
-    with vase_attention(model):
-        t0 = time.perf_counter()
-        logits = model(
-            input_ids=prompt.view(1, -1).to(device),
-            position_ids=torch.arange(p, device=device).view(1, -1),
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            vase_cache=cache,
-        ).logits[:, -1]
-        cache.advance(p)
-        if on_logits is not None:
-            on_logits(0, logits)
-        logits = logits.expand(n_samples, -1)
-        next_tok = sample_tokens(logits, sampling, [tok_gens[r] for r in rows])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        prefill_seconds = time.perf_counter() - t0
-
-        buf = torch.empty((n_samples, sync_every), dtype=torch.long, device=device)
-        positions = torch.arange(p, p + limit + 1, device=device)
-        t_dec = time.perf_counter()
-        held_sum = 0
-        row_steps = 0
-        step = 0
-        pending = 0
-        decoded = 0
-        while True:
-            buf[: len(rows), pending] = next_tok
-            pending += 1
-            step += 1
-            done_now = step >= limit
-            if pending == sync_every or done_now:
-                host = buf[: len(rows), :pending].tolist()
-                finished = []
-                for j, r in enumerate(rows):
-                    for tok in host[j]:
-                        out_tokens[r].append(tok)
-                        if tok in eos:
-                            reasons[r] = "eos"
-                        elif max_stop and _hits_stop(tokenizer, out_tokens[r], stop_strings, max_stop):
-                            reasons[r] = "stop"
-                        else:
-                            continue
-                        finish_step[r] = len(out_tokens[r])
-                        finished.append(j)
-                        break
-                decoded += pending * len(rows)
-                pending = 0
-                if done_now:
-                    break
-                if finished:
-                    keep = [j for j in range(len(rows)) if j not in set(finished)]
-                    if not keep:
-                        break
-                    index = torch.tensor(keep, dtype=torch.long, device=device)
-                    cache.select_rows(index)
-                    next_tok = next_tok.index_select(0, index)
-                    rows = [rows[j] for j in keep]
-            logits = model(
-                input_ids=next_tok.view(-1, 1),
-                position_ids=positions[step - 1 : step].view(1, 1),
-                cache=cache,
-                use_cache=True,
-                vase_cache=cache,
-            ).logits[:, -1]
-            cache.advance(1)
-            if on_logits is not None:
-                on_logits(step, logits)
-            held_sum += cache.length * len(rows)
-            row_steps += len(rows)
-            cache.evict_if_due()
-            next_tok = sample_tokens(logits, sampling, [tok_gens[r] for r in rows])
-            if on_step is not None:
-                on_step(
-                    StepInfo(
-                        step,
-                        len(rows),
-                        list(rows),
-                        next_tok,
-                        cache.length,
-                        cache.evictions(),
-                        cache.eviction_seconds(),
-                        time.perf_counter() - t_dec,
-                    )
-                )
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        decode_seconds = time.perf_counter() - t_dec
-
-    for r in range(n_samples):
-        del out_tokens[r][finish_step[r] :]
-    attended = cache.attended_tokens()
-    denom = row_steps * cfg.num_key_value_heads * cfg.num_hidden_layers
+    dec.geometry.prompt_len = p
+    done = sorted(dec.run([Request(prompt, seeds)]), key=lambda f: f.sample)
+    cache, g = dec.cache, dec.geometry
+    row_steps = sum(f.stats["decode_steps"] for f in done)
+    attended = [f.stats["attended_tokens"] * f.stats["decode_steps"] for f in done if f.stats["attended_tokens"]]
     stats = {
-        "prefill_seconds": prefill_seconds,
-        "decode_seconds": decode_seconds,
-        "decode_tokens": sum(len(t) for t in out_tokens),
-        "decode_steps_rows": decoded,
+        "prefill_seconds": dec.stats.prefill_seconds,
+        "decode_seconds": dec.stats.decode_seconds,
+        "decode_tokens": sum(len(f.tokens) for f in done),
+        "decode_steps_rows": dec.stats.row_steps,
         "kv_cache_bytes": cache.kv_bytes(),
-        "kv_cache_bytes_expected": geometry.kv_bytes,
+        "kv_cache_bytes_expected": g.kv_bytes,
         "aux_bytes": cache.aux_bytes(),
-        "capacity": geometry.capacity,
+        "capacity": g.capacity,
         "evictions": cache.evictions(),
         "eviction_seconds": cache.eviction_seconds(),
-        "attended_tokens": (attended / denom) if attended is not None and denom else None,
-        "held_tokens": held_sum / row_steps if row_steps else float(p),
-        "finish_step": finish_step,
-        "attn_backend": backend,
+        "attended_tokens": sum(attended) / row_steps if attended and row_steps else None,
+        "held_tokens": (
+            sum(f.stats["held_tokens"] * f.stats["decode_steps"] for f in done) / row_steps if row_steps else float(p)
+        ),
+        "finish_step": [len(f.tokens) for f in done],
+        "attn_backend": dec.backend,
+        "per_sample": [f.stats for f in done],
     }
-    return GenerationOutput(tokens=out_tokens, finish_reasons=reasons, prompt_len=p, stats=stats)
-
-
-def _hits_stop(tokenizer, tokens: list[int], stop_strings: Sequence[str], max_stop: int) -> bool:
-    """Whether the decoded tail of ``tokens`` contains a stop string (decodes only the last few tokens)."""
-    tail = tokenizer.decode(tokens[-(max_stop + 8) :], skip_special_tokens=False)
-    return any(s in tail for s in stop_strings)
+    return GenerationOutput(
+        tokens=[f.tokens for f in done], finish_reasons=[f.finish_reason for f in done], prompt_len=p, stats=stats
+    )

@@ -4,14 +4,21 @@ A policy is a small dataclass whose fields are its hyper-parameters. The engine 
 storage and calls the policy at two hooks:
 
 * eviction policies (``kind = "eviction"``) implement :meth:`EvictionPolicy.keep`: at each eviction event the engine
-  hands one layer's candidates and gets back, per (sequence, KV head), the indices of the candidates to keep; the
-  engine does the gather and moves the recent window behind them.
+  hands the candidates of the rows that evict now (one layer) and gets back, per (row, KV head), the indices of the
+  candidates to keep; the engine does the gather and moves the recent window behind them.
 * selection policies (``kind = "selection"``, e.g. Quest) keep every token and implement
   :meth:`SelectionPolicy.select`: per decode step and layer, a boolean mask of the held tokens that the step attends to.
 * ``kind = "none"`` (the full cache) never evicts nor selects.
 
-Shapes use ``B`` = rows (sequences) in the batch, ``H`` = KV heads, ``Hq`` = query heads, ``N`` = candidates,
-``D`` = head dim.
+Rows of one call may come from different problems (continuous batching): every input is per row, and a policy must
+treat rows independently (a row's answer may depend only on that row's tensors, its generator and its state).
+
+Shapes use ``B`` = rows in the call, ``H`` = KV heads, ``Hq`` = query heads, ``N`` = candidates, ``D`` = head dim.
+
+Policy state: ``inputs.state`` is a dict of row-first tensors ``(B, ...)`` that the engine keeps per row and per layer
+between calls (e.g. CurDKV's sketch). A call's rows all have the same keys in their state: an empty dict means these
+rows have never stored anything on this layer (new sequences). Put or replace tensors in it; the engine stores each
+row's slice and hands it back at the row's next call. A key must keep its per-row shape for the row's lifetime.
 """
 
 from __future__ import annotations
@@ -40,8 +47,7 @@ class EvictionInputs:
         scaling: softmax scale of the model's attention (usually ``D ** -0.5``).
         generators: one seeded ``torch.Generator`` per row; draw through :meth:`rand` / :meth:`randn` so that a row's
             choice does not depend on the other rows of the batch.
-        state: per-(generation, layer) dict owned by the policy; every tensor in it must have the batch as its first
-            dimension (the engine drops the rows of finished sequences).
+        state: the rows' persistent state on this layer (see the module docstring): ``{key: (B, ...) tensor}``.
         queries: ``(B, Hq, Wq, D)`` post-RoPE queries of the last ``Wq <= window`` tokens, or ``None`` when the policy
             does not declare ``needs_queries``.
     """
@@ -78,19 +84,28 @@ class EvictionInputs:
 class SelectionInputs:
     """What the engine hands a selection policy at one decode step of one layer.
 
+    The engine calls :meth:`SelectionPolicy.select` at every decode step for every live row (the prompt is encoded
+    with full causal attention), so state updated incrementally stays in step with the cache.
+
     Attributes:
         query: ``(B, Hq, 1, D)`` post-RoPE query of the current step.
-        keys: ``(B, H, L, D)`` every held key (the current token's included, at index ``L - 1``).
-        length: ``L``, tokens held after this step's append.
-        n_new: tokens appended by this forward call (1: the engine selects at decode steps only; the prompt is
-            encoded with full causal attention).
+        keys: ``(B, H, L, D)`` held keys; row ``b`` holds ``lengths[b] <= L`` tokens (its current token at index
+            ``lengths[b] - 1``); slots past a row's length are not its tokens.
+        length: ``L``, the longest row's held length after this step's append.
+        lengths: ``(B,)`` int64 tokens held by each row (on the device).
+        lengths_host: the same as a list of ints (no device synchronisation needed to read it).
+        capacity: token slots per row of the static storage (an upper bound for every row's length).
+        n_new: tokens appended by this forward call (always 1).
         layer_idx: index of the layer.
-        state: per-(generation, layer) dict owned by the policy (batch-first tensors, as for eviction).
+        state: the rows' persistent state on this layer (row-first tensors, as for eviction).
     """
 
     query: torch.Tensor
     keys: torch.Tensor
     length: int
+    lengths: torch.Tensor
+    lengths_host: list[int]
+    capacity: int
     n_new: int
     layer_idx: int
     state: dict = field(default_factory=dict)
@@ -200,7 +215,10 @@ class SelectionPolicy(Policy):
         )
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor | None:
-        """Return a ``(B, H, L)`` bool mask of the held tokens this step attends to, or ``None`` for all of them."""
+        """Return a ``(B, H, L)`` bool mask of the held tokens this step attends to, or ``None`` for all of them.
+
+        Slots past a row's length are masked by the engine whatever the policy returns for them.
+        """
         raise NotImplementedError
 
 

@@ -43,10 +43,17 @@ class KeptEvent:
 class KeptSetRecorder:
     """Record the kept positions at evictions (attach to a :class:`vase.engine.cache.VaseCache`).
 
+    At each eviction the cache calls ``cache.on_evict(layer, row_ids, keep, kept_positions)`` for the rows that
+    evicted together (``kept_positions (rows, H, budget - window)``: the absolute positions of the candidates kept;
+    ``row_ids``: the decoder's name of each row, ``(problem_id, sample)``, or a bare sample index for
+    :func:`vase.engine.decode.generate`). The recorder counts evictions per (problem, sample, layer), so a row's
+    ``index`` does not depend on which other rows shared the batch, and groups rows of the same (problem, layer,
+    index) into one :class:`KeptEvent`.
+
     Args:
-        every: record the layer's evictions ``0, every, 2*every, ...`` only.
-        max_events_per_layer: keep at most the last ``n`` recorded events per (problem, layer) (``None`` = all);
-            the default 1 keeps only the last eviction, which caps memory at one kept set per (layer, row, head).
+        every: record each row's evictions ``0, every, 2*every, ...`` of a layer only.
+        max_events_per_layer: keep at most the last ``n`` recorded events per (problem, sample, layer) (``None`` =
+            all); the default 1 keeps only the last eviction: one kept set per (layer, row, head).
         layers: record only these layers (``None`` = all).
     """
 
@@ -58,69 +65,89 @@ class KeptSetRecorder:
         self.every = every
         self.max_events_per_layer = max_events_per_layer
         self.layers = None if layers is None else {int(x) for x in layers}
-        self.events: list[KeptEvent] = []
         self._problem = ""
-        self._rows: list[int] = []
-        self._counts: dict[int, int] = defaultdict(int)
+        self._counts: dict[tuple[str, int, int], int] = defaultdict(int)
+        self._rows: dict[tuple[str, int, int], list[tuple[int, np.ndarray]]] = defaultdict(list)
 
-    def attach(self, cache, problem_id: str = "", samples: Sequence[int] | None = None) -> None:
-        """Start recording ``cache``'s evictions (sets ``cache.on_evict``).
-
-        Rows that finish leave the batch: the sample index of each live row is read from ``cache.row_ids`` (set here
-        to ``samples``; the cache keeps it in step with ``select_rows``). No reference to the cache is kept.
-
-        Args:
-            cache: a freshly built :class:`vase.engine.cache.VaseCache` (use generate's ``on_cache`` hook).
-            problem_id: recorded with every event.
-            samples: the sample index of each row (default ``0..rows-1``).
-        """
+    def attach(self, cache, problem_id: str = "") -> None:
+        """Start recording ``cache``'s evictions (sets ``cache.on_evict``); ``problem_id`` names bare-sample rows."""
         self._problem = str(problem_id)
-        self._rows = list(samples) if samples is not None else list(range(cache.geometry.rows))
-        if len(self._rows) != cache.geometry.rows:
-            raise ValueError(f"samples: {len(self._rows)} sample ids for a cache of {cache.geometry.rows} rows")
-        self._counts = defaultdict(int)
         cache.on_evict = self._on_evict
-        cache.row_ids = list(self._rows)  # the cache keeps it in step with select_rows
 
-    def _on_evict(self, layer, idx, kept_positions) -> None:
+    def _on_evict(self, layer, row_ids, keep, kept_positions) -> None:
         li = int(layer.layer_idx)
-        count = self._counts[li]
-        self._counts[li] += 1
-        if (self.layers is not None and li not in self.layers) or count % self.every:
-            return
-        kept = np.sort(kept_positions.detach().to("cpu").numpy().astype(np.int32), axis=-1)
-        samples = np.asarray(layer.owner.row_ids[: kept.shape[0]], dtype=np.int32)
-        self.events.append(KeptEvent(self._problem, li, count, samples, kept))
-        if self.max_events_per_layer is not None:
-            mine = [i for i, e in enumerate(self.events) if e.problem_id == self._problem and e.layer == li]
-            for i in reversed(mine[: -self.max_events_per_layer]):
-                del self.events[i]
+        kept = None
+        for j, rid in enumerate(row_ids):
+            problem, sample = rid if isinstance(rid, tuple) else (self._problem, rid)
+            key = (str(problem), int(sample), li)
+            count = self._counts[key]
+            self._counts[key] += 1
+            if (self.layers is not None and li not in self.layers) or count % self.every:
+                continue
+            if kept is None:
+                kept = np.sort(kept_positions.detach().to("cpu").numpy().astype(np.int32), axis=-1)
+            events = self._rows[key]
+            events.append((count, kept[j]))
+            if self.max_events_per_layer is not None:
+                del events[: -self.max_events_per_layer]
+
+    @property
+    def events(self) -> list[KeptEvent]:
+        """The recorded events, rows of the same (problem, layer, index) grouped, sorted by problem, layer, index."""
+        return _group(self._rows)
+
+    def take(self, problem_id: str) -> list[KeptEvent]:
+        """The events of one problem, forgotten by the recorder (dump them when the problem is complete)."""
+        problem = str(problem_id)
+        mine = {k: v for k, v in self._rows.items() if k[0] == problem}
+        for k in mine:
+            del self._rows[k]
+        for k in [k for k in self._counts if k[0] == problem]:
+            del self._counts[k]
+        return _group(mine)
 
     def nbytes(self) -> int:
         """Memory held by the recorded kept sets."""
-        return sum(e.kept.nbytes + e.samples.nbytes for e in self.events)
+        return sum(kept.nbytes for events in self._rows.values() for _, kept in events)
 
     def clear(self) -> None:
-        """Forget the recorded events (e.g. after :meth:`dump` of a problem)."""
-        self.events = []
+        """Forget every recorded event."""
+        self._rows.clear()
+        self._counts.clear()
 
-    def dump(self, path: str | Path) -> Path:
-        """Write the recorded events to an ``.npz`` (see :func:`load_kept_sets`); return the path."""
+    def dump(self, path: str | Path, events: list[KeptEvent] | None = None) -> Path:
+        """Write ``events`` (default: all recorded) to an ``.npz`` (see :func:`load_kept_sets`); return the path."""
+        events = self.events if events is None else events
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         arrays: dict[str, np.ndarray] = {
-            "problem_id": np.array([e.problem_id for e in self.events], dtype=str),
-            "layer": np.array([e.layer for e in self.events], dtype=np.int32),
-            "index": np.array([e.index for e in self.events], dtype=np.int32),
+            "problem_id": np.array([e.problem_id for e in events], dtype=str),
+            "layer": np.array([e.layer for e in events], dtype=np.int32),
+            "index": np.array([e.index for e in events], dtype=np.int32),
         }
-        for i, e in enumerate(self.events):
+        for i, e in enumerate(events):
             arrays[f"kept_{i}"] = e.kept
             arrays[f"samples_{i}"] = e.samples
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez_compressed(tmp, **arrays)
         tmp.replace(path)
-        logger.info("kept sets: %d events (%.1f MiB) -> %s", len(self.events), self.nbytes() / 2**20, path)
+        size = sum(e.kept.nbytes for e in events)
+        logger.info("kept sets: %d events (%.1f MiB) -> %s", len(events), size / 2**20, path)
         return path
+
+
+def _group(rows: dict[tuple[str, int, int], list[tuple[int, np.ndarray]]]) -> list[KeptEvent]:
+    """Per-row events → one :class:`KeptEvent` per (problem, layer, index), its samples in increasing order."""
+    groups: dict[tuple[str, int, int], list[tuple[int, np.ndarray]]] = defaultdict(list)
+    for (problem, sample, layer), events in rows.items():
+        for index, kept in events:
+            groups[(problem, layer, index)].append((sample, kept))
+    out = []
+    for (problem, layer, index), items in sorted(groups.items()):
+        items.sort(key=lambda t: t[0])
+        samples = np.array([s for s, _ in items], dtype=np.int32)
+        out.append(KeptEvent(problem, layer, index, samples, np.stack([k for _, k in items])))
+    return out
 
 
 def kept_sets_path(run_dir: str | Path, problem_id: str) -> Path:

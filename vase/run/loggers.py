@@ -117,7 +117,7 @@ class WandbLogger(NullLogger):
                 "protocol.json",
                 "manifest.json",
                 "samples.jsonl",
-                "batches.jsonl",
+                "throughput.jsonl",
                 "metrics.json",
             ):
                 if (Path(run_dir) / name).exists():

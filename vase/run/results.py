@@ -7,9 +7,9 @@ A run directory holds:
   samples, budget); a rerun with a different protocol in the same directory is refused;
 * ``manifest.json`` — git SHA, library versions, device, model and dataset revisions, prompt template, sampling,
   seed;
-* ``samples.jsonl`` — one line per finished sample, appended and flushed (fsync) as each problem finishes;
-* ``batches.jsonl`` — one line per decoded batch (timings, cache bytes, evictions);
-* ``metrics.json`` — written at the end (and rewritten by a resumed run).
+* ``samples.jsonl`` — one line per finished sample, appended and flushed (fsync) as each sample finishes;
+* ``throughput.jsonl`` — one line per stretch of decoding (wall times, tokens, rows in flight, memory);
+* ``metrics.json`` — written at the end (and rewritten by a resumed run); see :mod:`vase.run.records`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 SAMPLES = "samples.jsonl"
-BATCHES = "batches.jsonl"
+THROUGHPUT = "throughput.jsonl"
 
 
 def stable_hash(obj: Any, n: int = 8) -> str:

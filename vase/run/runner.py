@@ -1,36 +1,41 @@
 """The runner behind ``python run.py``: one (model, task, policy, budget) run, resumable, logged to disk and W&B.
 
 Everything is built from the composed Hydra config with ``hydra.utils.instantiate`` (model spec, task, policy,
-logger), so the runner never branches on types. Order of work, cheapest first:
+logger), so the runner never branches on types. Order of work, cheapest first, and nothing is written before every
+input has been checked:
 
-1. validate every number and build the task, the model spec and the policy (one-line ``ValueError`` on bad input,
-   before any data or weights load);
+1. validate every setting and build the task, the model spec and the policy (one-line ``ValueError``);
 2. resolve the budget (``budget=`` or the task's reference full-cache output length for the model / ``ratio``,
-   rounded to a multiple of ``window``), the run directory and its protocol (a changed protocol is refused);
-3. load the problems, then the model; skip finished samples; decode each problem's missing samples as one batch;
-   grade; append to ``samples.jsonl`` (flushed) as each problem finishes;
-4. write ``metrics.json`` from ``samples.jsonl`` + ``batches.jsonl`` (the source of truth) and mirror to W&B.
+   rounded to a multiple of ``window``), the run directory and its protocol;
+3. load the problems and the tokenizer (no weights), render and measure every prompt; refuse a changed protocol;
+4. only then write ``protocol.json`` / ``config.yaml``, load the weights, size the cache (capacity per row from the
+   longest prompt still to decode; rows in flight from ``generation.max_rows`` / ``generation.kv_memory``) and decode
+   every missing sample with continuous batching, writing each sample to ``samples.jsonl`` (flushed) as it ends;
+5. write ``metrics.json`` from ``samples.jsonl`` + ``throughput.jsonl`` (the source of truth) and mirror to W&B.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
-import math
+import re
 import time
-from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from vase.engine.decode import SamplingConfig, generate, sample_seeds
-from vase.run.metrics import classify_output, mean_pass_at_1, mean_pass_at_k
+from vase.engine.cache import cache_capacity
+from vase.engine.decode import Decoder, Request, model_geometry
+from vase.engine.memory import auto_dtype, plan_rows
+from vase.engine.sampling import SamplingConfig, sample_seeds
+from vase.run.records import compute_metrics, sample_row
 from vase.run.results import (
-    BATCHES,
     SAMPLES,
+    THROUGHPUT,
     append_jsonl,
     check_protocol,
     device_info,
@@ -46,7 +51,9 @@ logger = logging.getLogger(__name__)
 
 # Settings that do not change results: excluded from the protocol comparison on resume.
 NON_PROTOCOL_TASK_KEYS = ("limit", "shard", "num_shards", "data_dir", "max_workers")
-NON_PROTOCOL_GENERATION_KEYS = ("sync_every", "attn_backend")
+NON_PROTOCOL_GENERATION_KEYS = ("sync_every", "attn_backend", "batching", "max_rows", "kv_memory")
+BATCHING = ("continuous", "per_problem")
+THROUGHPUT_EVERY_S = 30.0  # a throughput.jsonl line at least this often while decoding
 
 
 def _fail(setting: str, msg: str) -> None:
@@ -72,6 +79,22 @@ def validate_numbers(cfg: DictConfig) -> None:
             _fail("pass_k", f"entries must be integers >= 1, got {k!r}")
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_bytes(value: Any, setting: str = "generation.kv_memory") -> int | None:
+    """``8GB`` / ``512MiB`` / ``1.5GiB`` / an integer byte count → bytes (``None`` stays ``None``)."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        _fail(setting, f"must be a size such as 8GB, 512MiB or a byte count, got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
 def build(node: Any, what: str) -> Any:
     """``hydra.utils.instantiate`` that surfaces a constructor's ``ValueError`` as itself (one line, no wrapper)."""
     from hydra.errors import InstantiationException
@@ -95,21 +118,9 @@ def problem_seed(seed: int, problem_id: str) -> int:
     return int(hashlib.sha256(f"{seed}:{problem_id}".encode()).hexdigest()[:12], 16)
 
 
-def held_at_end(total: int, prompt_len: int, budget: int, window: int, evicts: bool) -> int:
-    """Tokens the cache holds after ``total`` tokens (prompt + output) under the eviction schedule."""
-    if not evicts or total <= budget:
-        return total
-    held = prompt_len
-    for _ in range(total - prompt_len - 1):  # the last token is sampled, never appended
-        held += 1
-        if held > budget and held % window == 0:
-            held = budget
-    return held + 1
-
-
 @dataclass
 class Prepared:
-    """Everything built from the config before the model loads."""
+    """Everything built from the config before any data or weights load."""
 
     cfg: DictConfig
     task: Any
@@ -122,6 +133,9 @@ class Prepared:
     run_dir: Path
     protocol: dict
     explicit_budget: bool
+    batching: str
+    max_rows: int | str
+    kv_memory: int | None
 
 
 def prepare(cfg: DictConfig) -> Prepared:
@@ -141,7 +155,14 @@ def prepare(cfg: DictConfig) -> Prepared:
     policy = build(cfg.policy, "policy")
     gen = cfg.generation
     sampling = SamplingConfig(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, greedy=gen.greedy)
-    max_length = int(gen.max_length or task.max_length)
+    max_length = int(gen.max_length) if gen.max_length is not None else int(task.max_length)
+    batching = gen.get("batching", "continuous")
+    if batching not in BATCHING:
+        _fail("generation.batching", f"must be one of {', '.join(BATCHING)}, got {batching!r}")
+    max_rows = gen.get("max_rows", "auto")
+    if max_rows != "auto" and not (isinstance(max_rows, int) and not isinstance(max_rows, bool) and max_rows >= 1):
+        _fail("generation.max_rows", f"must be an integer >= 1 or auto, got {max_rows!r}")
+    kv_memory = parse_bytes(gen.get("kv_memory"))
     thinking = bool(model_spec.thinking and task.thinking)
     policy_desc = policy.describe()
     # The full cache ignores budget and window: one run serves every ratio of a sweep (never decoded twice).
@@ -178,6 +199,9 @@ def prepare(cfg: DictConfig) -> Prepared:
         run_dir,
         protocol,
         explicit_budget,
+        batching,
+        max_rows,
+        kv_memory,
     )
 
 
@@ -194,38 +218,49 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+@dataclass
+class Work:
+    """A problem with samples still to decode: its rendered prompt's ids and its seeds."""
+
+    problem: Any
+    ids: list[int]
+    missing: list[int]
+    seeds: list[int]
+
+
 def run(cfg: DictConfig, progress: bool = True) -> dict:
     """Run (or resume) one configuration; return its metrics. See the module docstring."""
     prep = prepare(cfg)
     run_dir = prep.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    check_protocol(run_dir, prep.protocol)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    samples_path, batches_path = run_dir / SAMPLES, run_dir / BATCHES
-    done_rows = read_jsonl_tolerant(samples_path, repair=True)
-    read_jsonl_tolerant(batches_path, repair=True)
+    problems = prep.task.load()  # a missing data file fails here, before anything is written
+    done_rows = read_jsonl_tolerant(run_dir / SAMPLES)
     done = {(r["problem_id"], r["sample"]) for r in done_rows}
-
-    problems = prep.task.load()
-    todo = [(p, [i for i in range(prep.n_samples) if (p.id, i) not in done]) for p in problems]
-    todo = [(p, missing) for p, missing in todo if missing]
+    pending = [(p, [i for i in range(prep.n_samples) if (p.id, i) not in done]) for p in problems]
+    pending = [(p, missing) for p, missing in pending if missing]
+    work = _measure(prep, pending) if pending else []
     logger.info(
-        "run dir %s: %d problems, %d samples done, %d problems to decode", run_dir, len(problems), len(done), len(todo)
+        "run dir %s: %d problems, %d samples done, %d problems to decode", run_dir, len(problems), len(done), len(work)
     )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    check_protocol(run_dir, _with_dtype(prep, work))
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    read_jsonl_tolerant(run_dir / SAMPLES, repair=True)  # a torn last line (killed mid-write) is cut off
+    read_jsonl_tolerant(run_dir / THROUGHPUT, repair=True)
 
     run_logger = build(cfg.logger, "logger")
     run_id = stable_hash({"dir": str(run_dir.resolve()), "protocol": prep.protocol}, 16)
     run_logger.start(run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True), run_id=run_id)
     try:
-        if todo:
-            _decode(prep, todo, done_rows, run_dir, run_logger, progress)
+        if work:
+            _decode(prep, work, done_rows, run_dir, run_logger, progress)
         info = {
             "budget_source": "explicit" if prep.explicit_budget else "ratio",
             "policy": prep.policy.name,
+            "policy_kind": prep.policy.kind,
             "task": prep.task.name,
             "model": prep.model_spec.key,
-            "budget": cfg.budget,
-            "window": cfg.window,
+            "budget": cfg.budget if prep.policy.kind != "none" else None,
+            "window": cfg.window if prep.policy.kind != "none" else None,
             "ratio": cfg.ratio,
             "run_dir": str(run_dir),
         }
@@ -238,15 +273,172 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     return metrics
 
 
-def _decode(prep: Prepared, todo, done_rows, run_dir: Path, run_logger, progress: bool) -> None:
+def _measure(prep: Prepared, pending) -> list[Work]:
+    """Render and tokenize the prompts still to decode (tokenizer only); refuse a max_length no prompt fits."""
+    tokenizer = prep.model_spec.load_tokenizer()
+    work = []
+    for problem, missing in pending:
+        prompt = prep.task.render(problem, tokenizer, enable_thinking=prep.thinking)
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        seeds = sample_seeds(problem_seed(prep.cfg.seed, problem.id), prep.n_samples)
+        work.append(Work(problem, ids, missing, seeds))
+    shortest = min(len(w.ids) for w in work)
+    if shortest >= prep.max_length:
+        _fail(
+            "generation.max_length",
+            f"{prep.max_length} leaves no room for output: the shortest prompt has {shortest} tokens; raise it",
+        )
+    for w in work:
+        if len(w.ids) >= prep.max_length:
+            logger.warning(
+                "problem %s: its prompt has %d tokens >= generation.max_length=%d; its samples are recorded as "
+                "prompt_too_long (not decoded)",
+                w.problem.id,
+                len(w.ids),
+                prep.max_length,
+            )
+    return work
+
+
+def _rows_guess(prep: Prepared, work: list[Work]) -> int:
+    """Rows that will decode together, before the weights load (decides ``model.dtype=auto`` on CPU)."""
+    samples = sum(len(w.missing) for w in work) or 1
+    if prep.batching == "per_problem":
+        return max((len(w.missing) for w in work), default=1)
+    from vase.engine.memory import AUTO_CPU_ROWS
+
+    rows = prep.max_rows if isinstance(prep.max_rows, int) else AUTO_CPU_ROWS
+    return min(rows, samples)
+
+
+def _resolved_spec(prep: Prepared, work: list[Work]):
+    """The model spec with ``dtype=auto`` resolved, and why."""
+    spec = prep.model_spec
+    if spec.dtype != "auto":
+        return spec, "model.dtype"
+    dtype, reason = auto_dtype(spec.resolved_device(), _rows_guess(prep, work))
+    return replace(spec, dtype=dtype), reason
+
+
+def _with_dtype(prep: Prepared, work: list[Work]) -> dict:
+    """The protocol with the dtype the weights will really have (``auto`` resolved on this machine)."""
+    if not work:  # nothing to decode: the weights never load, so the dtype is the one the run already used
+        stored = prep.run_dir / "protocol.json"
+        if prep.model_spec.dtype == "auto" and stored.exists():
+            dtype = json.loads(stored.read_text()).get("model", {}).get("dtype", "auto")
+            return {**prep.protocol, "model": {**prep.protocol["model"], "dtype": dtype}}
+        return prep.protocol
+    spec, _ = _resolved_spec(prep, work)
+    return {**prep.protocol, "model": {**prep.protocol["model"], "dtype": spec.dtype}}
+
+
+def _decode(prep: Prepared, work: list[Work], done_rows, run_dir: Path, run_logger, progress: bool) -> None:
     from tqdm import tqdm
 
-    cfg = prep.cfg
+    cfg, policy = prep.cfg, prep.policy
+    spec, dtype_reason = _resolved_spec(prep, work)
     t_load = time.perf_counter()
-    model, tokenizer = prep.model_spec.load()
-    logger.info("model %s loaded in %.1f s", prep.model_spec.name, time.perf_counter() - t_load)
-    device = next(model.parameters()).device
+    model, tokenizer = spec.load()
+    logger.info("model %s loaded in %.1f s (%s, %s)", spec.name, time.perf_counter() - t_load, spec.dtype, dtype_reason)
     stop = eos_ids(model, tokenizer)
+    limits = {w.problem.id: prep.max_length - len(w.ids) for w in work}
+    fits = [w for w in work if limits[w.problem.id] >= 1]
+    if prep.batching == "per_problem":
+        plans = [([w], len(w.missing)) for w in fits]
+    else:
+        plans = [(fits, None)] if fits else []
+    too_long = [w for w in work if limits[w.problem.id] < 1]
+    recorder = None
+    if cfg.get("record_kept", False):
+        from vase.run.kept_sets import KeptSetRecorder
+
+        recorder = KeptSetRecorder()
+    by_id = {w.problem.id: w for w in work}
+    left = {w.problem.id: len(w.missing) for w in work}
+    correct = [bool(r["correct"]) for r in done_rows]
+    total = sum(len(w.missing) for w in work)
+    bar = tqdm(total=total, desc=f"{prep.task.name}/{policy.name}", unit="sample", disable=not progress)
+    manifest_written = False
+    for group, rows in plans + ([(too_long, 1)] if too_long else []):
+        capacity = max(cache_capacity(policy, len(w.ids), max(1, limits[w.problem.id])) for w in group)
+        geometry = model_geometry(model, 1, capacity, prompt_len=max(len(w.ids) for w in group))
+        plan = plan_rows(
+            geometry,
+            policy,
+            max_rows=rows if rows is not None else prep.max_rows,
+            kv_memory=None if rows is not None else prep.kv_memory,
+            samples=sum(len(w.missing) for w in group),
+        )
+        dec = Decoder(
+            model,
+            policy,
+            rows=plan.rows,
+            capacity=capacity,
+            sampling=prep.sampling,
+            max_length=prep.max_length,
+            eos_token_ids=stop,
+            attn_backend=cfg.generation.attn_backend,
+            sync_every=cfg.generation.sync_every,
+            on_cache=None if recorder is None else recorder.attach,
+        )
+        if not manifest_written:
+            _write_manifest(prep, run_dir, model, tokenizer, spec, dtype_reason, dec, plan, stop)
+            manifest_written = True
+        meter = _Throughput(run_dir, dec)
+        if rows is None or len(plans) <= 1:
+            logger.info(
+                "decoding %d samples: %d rows in flight (%s), %d slots per row, %.1f MiB of KV storage",
+                sum(len(w.missing) for w in group),
+                plan.rows,
+                plan.reason,
+                capacity,
+                dec.geometry.kv_bytes / 2**20,
+            )
+        requests = [
+            Request(w.ids, [w.seeds[i] for i in w.missing], key=w.problem.id, samples=w.missing) for w in group
+        ]
+        dec.on_step = lambda info, m=meter: m.step(bar, info)
+        try:
+            for fin in dec.run(requests):
+                w = by_id[fin.key]
+                row = _grade(prep, w, fin, tokenizer, dec)
+                append_jsonl(run_dir / SAMPLES, [row])  # durable before the next sample
+                correct.append(row["correct"])
+                left[fin.key] -= 1
+                if recorder is not None and left[fin.key] == 0:
+                    from vase.run.kept_sets import kept_sets_path
+
+                    recorder.dump(kept_sets_path(run_dir, fin.key), recorder.take(fin.key))
+                bar.update(1)
+                meter.sample(bar, correct, run_logger)
+        finally:
+            meter.flush()
+    bar.close()
+
+
+def _grade(prep: Prepared, w: Work, fin, tokenizer, dec: Decoder) -> dict:
+    """Decode, grade and describe one finished sample."""
+    text = tokenizer.decode(fin.tokens, skip_special_tokens=True)
+    grade = None
+    if fin.finish_reason not in ("prompt_too_long", "nonfinite"):
+        grade = prep.task.grade_many([(w.problem, text)], thinking=prep.thinking)[0]
+    evicts = prep.policy.kind == "eviction"
+    return sample_row(
+        w.problem,
+        fin,
+        text,
+        grade,
+        thinking=prep.thinking,
+        budget=prep.cfg.budget if prep.policy.kind != "none" else None,
+        window=prep.cfg.window,
+        evicts=evicts,
+        bytes_per_token=dec.geometry.bytes_per_token,
+        max_length=prep.max_length,
+    )
+
+
+def _write_manifest(prep, run_dir, model, tokenizer, spec, dtype_reason, dec: Decoder, plan, stop) -> None:
+    cfg = prep.cfg
     write_json(
         run_dir / "manifest.json",
         {
@@ -254,10 +446,21 @@ def _decode(prep: Prepared, todo, done_rows, run_dir: Path, run_logger, progress
             "libraries": library_versions(),
             "device": device_info(),
             "model": {
-                "name": prep.model_spec.name,
-                "revision": prep.model_spec.revision,
+                "name": spec.name,
+                "revision": spec.revision,
                 "dtype": str(next(model.parameters()).dtype),
-                "attn_backend": cfg.generation.attn_backend,
+                "dtype_choice": dtype_reason,
+                "attn_backend": dec.backend,
+            },
+            "engine": {
+                "batching": prep.batching,
+                "rows_in_flight": plan.rows,
+                "rows_choice": plan.reason,
+                "capacity_per_row": dec.geometry.capacity,
+                "capacity_choice": "cache_capacity(policy, longest prompt to decode, its output cap)",
+                "kv_allocated_bytes": dec.geometry.kv_bytes,
+                "row_bytes": plan.row_bytes,
+                "sync_every": dec.sync_every,
             },
             "dataset": prep.task.describe() if hasattr(prep.task, "describe") else {"name": prep.task.name},
             "prompt_template": getattr(tokenizer, "chat_template", None),
@@ -266,187 +469,67 @@ def _decode(prep: Prepared, todo, done_rows, run_dir: Path, run_logger, progress
             "max_length": prep.max_length,
             "seed": cfg.seed,
             "eos_token_ids": stop,
-            "budget": cfg.budget,
+            "budget": cfg.budget if prep.policy.kind != "none" else None,
             "window": cfg.window,
             "policy": prep.policy.describe(),
         },
     )
-    recorder = None
-    if cfg.get("record_kept", False):
-        from vase.run.kept_sets import KeptSetRecorder
 
-        recorder = KeptSetRecorder()
-    correct_so_far = [bool(r["correct"]) for r in done_rows]
-    tokens_total, seconds_total = 0, 0.0
-    bar = tqdm(todo, desc=f"{prep.task.name}/{prep.policy.name}", unit="problem", disable=not progress)
-    for problem, missing in bar:
-        prompt = prep.task.render(problem, tokenizer, enable_thinking=prep.thinking)
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        seeds = sample_seeds(problem_seed(cfg.seed, problem.id), prep.n_samples)
-        out = generate(
-            model,
-            ids,
-            prep.policy,
-            n_samples=len(missing),
-            sampling=prep.sampling,
-            max_length=prep.max_length,
-            eos_token_ids=stop,
-            seeds=[seeds[i] for i in missing],
-            attn_backend=cfg.generation.attn_backend,
-            sync_every=cfg.generation.sync_every,
-            on_cache=None
-            if recorder is None
-            else (lambda cache, pid=problem.id, rows=missing: recorder.attach(cache, problem_id=pid, samples=rows)),
-        )
-        if recorder is not None:
-            from vase.run.kept_sets import kept_sets_path
 
-            recorder.dump(kept_sets_path(run_dir, problem.id))
-            recorder.clear()
-        texts = [tokenizer.decode(t, skip_special_tokens=True) for t in out.tokens]
-        grades = prep.task.grade_many([(problem, t) for t in texts], thinking=prep.thinking)
-        st = out.stats
-        p_len = out.prompt_len
-        rows = []
-        for j, i in enumerate(missing):
-            n_tok = len(out.tokens[j])
-            finished = out.finish_reasons[j] != "length"
-            total = p_len + n_tok
-            held = held_at_end(total, p_len, cfg.budget, cfg.window, prep.policy.kind == "eviction")
-            rows.append(
-                {
-                    "problem_id": problem.id,
-                    "sample": i,
-                    "seed": seeds[i],
-                    "output": texts[j],
-                    "extracted": grades[j].extracted,
-                    "correct": bool(grades[j].correct),
-                    "truncated": bool(grades[j].truncated),
-                    "grade_detail": grades[j].detail,
-                    "loop_class": classify_output(texts[j], finished, prep.thinking),
-                    "finish_reason": out.finish_reasons[j],
-                    "prompt_tokens": p_len,
-                    "output_tokens": n_tok,
-                    "budget": cfg.budget,
-                    "held_tokens_end": held,
-                    "compression_ratio": total / held,
-                    "prefill_seconds": st["prefill_seconds"],
-                    "batch_decode_seconds": st["decode_seconds"],
-                    "meta": problem.meta,
-                }
-            )
-        itemsize = next(model.parameters()).element_size()
-        mc = model.config
-        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
-        full_bytes = (
-            2
-            * mc.num_hidden_layers
-            * mc.num_key_value_heads
-            * head_dim
-            * itemsize
-            * len(missing)
-            * (p_len + max(len(t) for t in out.tokens))
-        )
-        batch = {
-            "problem_id": problem.id,
-            "samples": missing,
-            "prompt_tokens": p_len,
-            "output_tokens": st["decode_tokens"],
-            "prefill_seconds": st["prefill_seconds"],
-            "decode_seconds": st["decode_seconds"],
-            "evictions": st["evictions"],
-            "eviction_seconds": st["eviction_seconds"],
-            "kv_cache_bytes": st["kv_cache_bytes"],
-            "kv_cache_bytes_full": full_bytes,
-            "aux_bytes": st["aux_bytes"],
-            "attended_tokens": st["attended_tokens"],
-            "held_tokens": st["held_tokens"],
-            "peak_memory_bytes": peak_memory_bytes(device),
-            "attn_backend": st["attn_backend"],
-        }
-        append_jsonl(run_dir / BATCHES, [batch])
-        append_jsonl(run_dir / SAMPLES, rows)  # samples last: a sample on disk implies its batch stats are too
-        correct_so_far += [r["correct"] for r in rows]
-        tokens_total += st["decode_tokens"]
-        seconds_total += st["decode_seconds"]
-        tps = tokens_total / seconds_total if seconds_total else 0.0
-        acc = sum(correct_so_far) / len(correct_so_far)
-        bar.set_postfix(tok_s=f"{tps:.1f}", acc=f"{acc:.3f}")
+class _Throughput:
+    """Writes ``throughput.jsonl`` lines (wall-clock stretches of one decoder) and drives the progress display."""
+
+    def __init__(self, run_dir: Path, dec: Decoder):
+        self.run_dir, self.dec = run_dir, dec
+        self.t_start = self.t_last = time.perf_counter()
+        self.t_show = 0.0
+        self.last = asdict(dec.stats)
+        self.max_rows = 0
+
+    def step(self, bar, info) -> None:
+        self.max_rows = max(self.max_rows, info.active_rows)
+        now = time.perf_counter()
+        if now - self.t_show >= 1.0:
+            self.t_show = now
+            st = self.dec.stats
+            tps = st.row_steps / st.decode_seconds if st.decode_seconds else 0.0
+            bar.set_postfix_str(f"tok/s={tps:.1f} rows={info.active_rows}", refresh=True)
+        if now - self.t_last >= THROUGHPUT_EVERY_S:
+            self.flush()
+
+    def sample(self, bar, correct: list[bool], run_logger) -> None:
+        st = self.dec.stats
+        acc = sum(correct) / len(correct) if correct else 0.0
+        tps = st.tokens / st.decode_seconds if st.decode_seconds else 0.0
         run_logger.log_progress(
             {
-                "progress/samples_done": len(correct_so_far),
+                "progress/samples_done": len(correct),
                 "progress/accuracy": acc,
                 "progress/decode_tokens_per_second": tps,
+                "progress/rows_in_flight": self.dec.cache.n_live,
             }
         )
 
-
-def compute_metrics(run_dir: Path, problem_ids: list[str], n_samples: int, info: dict, pass_k) -> dict:
-    """The run's metrics, from ``samples.jsonl`` and ``batches.jsonl`` (restricted to ``problem_ids``).
-
-    ``info`` (policy, task, model, budget, ...) is copied into the metrics so they are self-describing.
-    """
-    ids = set(problem_ids)
-    rows = [r for r in read_jsonl_tolerant(run_dir / SAMPLES) if r["problem_id"] in ids]
-    batches = [b for b in read_jsonl_tolerant(run_dir / BATCHES) if b["problem_id"] in ids]
-    by_problem: dict[str, list[dict]] = defaultdict(list)
-    seen = set()
-    for r in rows:  # a sample is counted once even if a crash wrote it twice
-        key = (r["problem_id"], r["sample"])
-        if key not in seen:
-            seen.add(key)
-            by_problem[r["problem_id"]].append(r)
-    rows = [r for rs in by_problem.values() for r in rs]
-    n = len(rows)
-    metrics: dict[str, Any] = {
-        "problems": len(by_problem),
-        "problems_expected": len(ids),
-        "samples": n,
-        "complete": len(by_problem) == len(ids) and all(len(v) == n_samples for v in by_problem.values()),
-        **info,
-    }
-    if not n:
-        return metrics
-    per_problem = [[r["correct"] for r in rs] for rs in by_problem.values()]
-    metrics["accuracy"] = mean_pass_at_1(per_problem)
-    if len(per_problem) > 1:
-        accs = [sum(p) / len(p) for p in per_problem]
-        mean = sum(accs) / len(accs)
-        metrics["accuracy_stderr"] = math.sqrt(sum((a - mean) ** 2 for a in accs) / (len(accs) - 1) / len(accs))
-    min_n = min(len(p) for p in per_problem)
-    for k in pass_k:
-        if k <= min_n:
-            metrics[f"pass@{k}"] = mean_pass_at_k(per_problem, k)
-    classes = [r["loop_class"] for r in rows]
-    metrics.update(
-        {
-            "answered_rate": sum(r["extracted"] is not None for r in rows) / n,
-            "loop_rate": classes.count("loop") / n,
-            "garbage_rate": classes.count("garbage") / n,
-            "truncation_rate": classes.count("truncated") / n,
-            "mean_output_tokens": sum(r["output_tokens"] for r in rows) / n,
-            "compression_ratio": sum(r["compression_ratio"] for r in rows) / n,
-        }
-    )
-    groups = {pid: rs[0].get("meta", {}).get("year") for pid, rs in by_problem.items()}
-    if len({g for g in groups.values() if g is not None}) > 1:
-        for year in sorted({g for g in groups.values() if g is not None}):
-            sub = [[r["correct"] for r in rs] for pid, rs in by_problem.items() if groups[pid] == year]
-            metrics[f"accuracy/{year}"] = mean_pass_at_1(sub)
-    if batches:
-        dec_s = sum(b["decode_seconds"] for b in batches)
-        metrics.update(
-            {
-                "kv_cache_bytes": max(b["kv_cache_bytes"] for b in batches),
-                "kv_cache_bytes_full": max(b["kv_cache_bytes_full"] for b in batches),
-                "peak_memory_bytes": max(b["peak_memory_bytes"] for b in batches),
-                "prefill_seconds": sum(b["prefill_seconds"] for b in batches) / len(batches),
-                "decode_tokens_per_second": sum(b["output_tokens"] for b in batches) / dec_s if dec_s else None,
-                "evictions": sum(b["evictions"] for b in batches),
-                "eviction_seconds": sum(b["eviction_seconds"] for b in batches),
-            }
+    def flush(self) -> None:
+        now = time.perf_counter()
+        st = asdict(self.dec.stats)
+        delta = {k: st[k] - self.last[k] for k in st if k != "max_live_rows"}
+        if not delta["decode_steps"] and not delta["prefills"]:
+            return
+        g = self.dec.geometry
+        append_jsonl(
+            self.run_dir / THROUGHPUT,
+            [
+                {
+                    **delta,
+                    "rows": max(self.max_rows, 1),
+                    "wall_seconds": now - self.t_last,
+                    "kv_allocated_bytes": self.dec.cache.kv_bytes() or g.kv_bytes,
+                    "kv_allocated_bytes_per_row": g.kv_bytes_per_row,
+                    "capacity_per_row": g.capacity,
+                    "peak_memory_bytes": peak_memory_bytes(self.dec.device),
+                    "time": time.time(),
+                }
+            ],
         )
-        att = [b["attended_tokens"] for b in batches if b.get("attended_tokens") is not None]
-        metrics["attended_tokens"] = sum(att) / len(att) if att else None
-        metrics["held_tokens"] = sum(b["held_tokens"] for b in batches) / len(batches)
-    return metrics
+        self.last, self.t_last, self.max_rows = st, now, 0

@@ -1,0 +1,345 @@
+"""Continuous batching on the static cache: rows of many problems (different prompt lengths) share one cache.
+
+What must hold (issue: continuous batching):
+* a sample's tokens are identical whether it is decoded alone or among rows of other problems that join and leave;
+* eviction == masking when rows of different lengths evict at different steps;
+* storage is allocated once (data_ptr unchanged while problems join and leave; bytes = rows x capacity);
+* numerical failures end one sample (``nonfinite``), never the decode; prompts with no room end as
+  ``prompt_too_long``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from vase.engine.attention import eager_attention
+from vase.engine.cache import cache_capacity
+from vase.engine.decode import Decoder, Request, SamplingConfig, generate, sample_seeds
+from vase.models import tiny_model
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "policy"
+POLICIES = ["full", "snapkv", "vase_attnv", "vase_dkv", "quest"]
+BUDGET, WINDOW = 32, 8
+
+
+def load_policy(name: str, budget: int = BUDGET, window: int = WINDOW):
+    cfg = OmegaConf.load(CONF / f"{name}.yaml")
+    cfg.budget, cfg.window = budget, window
+    if name == "quest":
+        cfg.page_size = 8
+    return instantiate(cfg)
+
+
+def prompts(lengths=(11, 27, 19, 40), vocab: int = 256) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen3", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+
+
+def decode_all(model, policy, reqs, rows, max_new, sampling, eos=(), **kw):
+    cap = max(cache_capacity(policy, len(r.prompt_ids), max_new) for r in reqs)
+    dec = Decoder(
+        model, policy, rows=rows, capacity=cap, sampling=sampling, max_new_tokens=max_new, eos_token_ids=eos, **kw
+    )
+    return dec, {(f.key, f.sample): f for f in dec.run(reqs)}
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("name", POLICIES)
+def test_sample_tokens_do_not_depend_on_the_batch(model, name, greedy):
+    """fp32, same seeds: each sample decoded alone == decoded among rows of 4 prompts of different lengths, with
+    3 rows in flight for 8 samples (rows finish at EOS at different steps, and new problems take their slots)."""
+    policy = load_policy(name)
+    sampling = SamplingConfig(temperature=0) if greedy else SamplingConfig(temperature=1.0, top_p=0.95, top_k=50)
+    eos = range(0, 12)  # ends some samples early, so slots free up at different steps
+    reqs = [Request(p, sample_seeds(100 + i, 2), key=i) for i, p in enumerate(prompts())]
+    _, batched = decode_all(model, policy, reqs, rows=3, max_new=60, sampling=sampling, eos=eos)
+    assert len(batched) == 8
+    lengths = {len(f.tokens) for f in batched.values()}
+    assert len(lengths) > 1, "the samples should end at different steps"
+    if name != "full" and name != "quest":
+        assert sum(f.stats["evictions"] for f in batched.values()) > 0
+    for r in reqs:
+        for s, seed in enumerate(r.seeds):
+            alone = generate(
+                model,
+                r.prompt_ids,
+                load_policy(name),
+                n_samples=1,
+                seeds=[seed],
+                sampling=sampling,
+                max_new_tokens=60,
+                eos_token_ids=eos,
+            )
+            got = batched[(r.key, s)]
+            assert got.tokens == alone.tokens[0], (r.key, s)
+            assert got.finish_reason == alone.finish_reasons[0]
+            assert got.stats["evictions"] == alone.stats["evictions"]
+
+
+# ---- eviction == masking with rows out of step ----------------------------------------------------------------------
+_MASKS: dict[int, torch.Tensor] = {}
+
+
+def _masked_reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    mask = _MASKS[module.layer_idx]  # (1, H, L, L) bool
+    groups = query.shape[1] // key.shape[1]
+    out = eager_attention(query, key, value, scaling, causal=False, mask=mask.repeat_interleave(groups, dim=1))
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("vase_test_masked_cb", _masked_reference_attention)
+AttentionMaskInterface.register("vase_test_masked_cb", lambda *a, **k: None)
+
+
+def test_eviction_equals_masking_with_rows_of_different_lengths(model):
+    """Three prompts of different lengths, two rows in flight: rows evict at different steps. Each step's logits of
+    each sample equal the unmodified model on that sample's whole sequence with a per-(layer, KV head) mask hiding
+    exactly what its row had evicted before that step."""
+    policy = load_policy("random", budget=24, window=8)
+    new = 50
+    reqs = [Request(p, [7 + i], key=i) for i, p in enumerate(prompts((9, 21, 14)))]
+    snaps: dict[tuple, dict[int, list[torch.Tensor]]] = {}  # (key, sample) -> step count -> per-layer held positions
+    logits: dict[tuple, list[torch.Tensor]] = {}
+    holder: dict = {}
+    step_logits: dict[int, torch.Tensor] = {}
+
+    def on_step(info):
+        cache = holder["cache"]
+        if info.evicted_rows and len(info.evicted_rows) < info.active_rows:
+            holder["partial"] = True  # some rows evicted at this step, others did not
+        for j, rid in enumerate(info.rows):
+            logits.setdefault(rid, []).append(step_logits[info.step][j].clone())
+            held = [layer.positions[j, :, : cache.lengths[j]].clone() for layer in cache.layers]
+            snaps.setdefault(rid, {})[len(logits[rid])] = held
+
+    _, done = decode_all(
+        model,
+        policy,
+        reqs,
+        rows=2,
+        max_new=new,
+        sampling=SamplingConfig(temperature=1.0),
+        ignore_eos=True,
+        check_policy_output=True,
+        on_cache=lambda c: holder.__setitem__("cache", c),
+        on_step=on_step,
+        on_logits=lambda s, lg: step_logits.__setitem__(s, lg),
+    )
+    assert holder.get("partial"), "the rows should evict at different steps"
+    for r in reqs:
+        rid = (r.key, 0)
+        f = done[rid]
+        assert f.stats["evictions"] > 0
+        p = len(r.prompt_ids)
+        total = p + new - 1
+        seq = torch.cat([r.prompt_ids, torch.tensor(f.tokens[: new - 1])]).view(1, -1)
+        heads = model.config.num_key_value_heads
+        for li in range(model.config.num_hidden_layers):
+            mask = torch.zeros(1, heads, total, total, dtype=torch.bool)
+            mask[:, :, :p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+            for i in range(p, total):  # the token fed at the row's decode step i - p + 1
+                step = i - p
+                if step == 0:
+                    mask[:, :, i, : i + 1] = True
+                else:
+                    mask[0, :, i].scatter_(-1, snaps[rid][step][li], True)
+                    mask[:, :, i, i] = True
+            _MASKS[li] = mask
+        model.set_attn_implementation("vase_test_masked_cb")
+        try:
+            ref = model(input_ids=seq, position_ids=torch.arange(total).view(1, -1)).logits[0]
+        finally:
+            model.set_attn_implementation("sdpa")
+        for step in range(1, new):
+            diff = (logits[rid][step - 1] - ref[p + step - 1]).abs().max().item()
+            assert diff <= 1e-4, (rid, step, diff)
+
+
+# ---- static memory ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["snapkv", "quest", "full"])
+def test_storage_allocated_once_while_problems_join_and_leave(model, name):
+    policy = load_policy(name)
+    ptrs, live = set(), []
+    holder: dict = {}
+
+    def on_step(info):
+        cache = holder["cache"]
+        live.append(info.active_rows)
+        ptrs.add(
+            tuple(
+                (layer.keys.data_ptr(), layer.values.data_ptr(), layer.positions.data_ptr()) for layer in cache.layers
+            )
+        )  # noqa: E501
+
+    reqs = [Request(p, sample_seeds(i, 2), key=i) for i, p in enumerate(prompts((8, 30, 17, 25, 12, 33)))]
+    dec, done = decode_all(
+        model,
+        policy,
+        reqs,
+        rows=4,
+        max_new=40,
+        sampling=SamplingConfig(temperature=1.0),
+        eos=range(0, 16),
+        on_cache=lambda c: holder.__setitem__("cache", c),
+        on_step=on_step,
+    )
+    assert len(done) == 12 and dec.stats.prefills >= 6
+    assert len(ptrs) == 1, "storage was re-allocated"
+    assert max(live) == 4 and len(set(live)) > 1  # rows left and joined
+    g = dec.geometry
+    assert dec.cache.kv_bytes() == g.kv_bytes == 4 * g.capacity * g.bytes_per_token
+    for layer in dec.cache.layers:
+        assert layer.keys.shape == (4, model.config.num_key_value_heads, g.capacity, g.head_dim)
+
+
+def test_rows_are_compacted_when_nothing_is_pending(model):
+    """Without pending work, finished rows leave: the live rows shrink to the survivors (no idle row computes)."""
+    live = []
+    reqs = [Request(p, [i], key=i) for i, p in enumerate(prompts((8, 12, 16)))]
+    decode_all(
+        model,
+        load_policy("snapkv"),
+        reqs,
+        rows=3,
+        max_new=40,
+        sampling=SamplingConfig(temperature=1.0),
+        eos=range(0, 24),
+        on_step=lambda info: live.append(info.active_rows),
+    )
+    assert live == sorted(live, reverse=True) and live[-1] < 3
+
+
+# ---- failures end one sample, never the decode ---------------------------------------------------------------------
+def test_nonfinite_logits_end_that_sample_only(model):
+    """NaN logits in one row: that sample ends ``nonfinite`` (its tokens kept up to the failure); the others are
+    exactly what they are without the fault, and the scrubbed slot serves the next problem."""
+    reqs = [Request(p, [3 + i], key=i) for i, p in enumerate(prompts((10, 15, 20)))]
+    sampling = SamplingConfig(temperature=0)
+    _, clean = decode_all(model, load_policy("snapkv"), reqs, rows=2, max_new=30, sampling=sampling, ignore_eos=True)
+    holder: dict = {"step": 0}
+
+    def poison(module, args, output):  # a fault at decode step 5 in the row holding problem 0
+        cache = holder["cache"]
+        if cache.prefilling is None:
+            holder["step"] += 1
+            if holder["step"] == 5:
+                j = [rid[0] for rid in cache.row_ids[: cache.n_live]].index(0)
+                output[j] = float("nan")
+        return output
+
+    handle = model.lm_head.register_forward_hook(poison)
+    try:
+        _, faulty = decode_all(
+            model,
+            load_policy("snapkv"),
+            reqs,
+            rows=2,
+            max_new=30,
+            sampling=sampling,
+            ignore_eos=True,
+            on_cache=lambda c: holder.__setitem__("cache", c),
+        )
+    finally:
+        handle.remove()
+    bad = faulty[(0, 0)]
+    assert bad.finish_reason == "nonfinite" and bad.tokens == clean[(0, 0)].tokens[:5]
+    for key in ((1, 0), (2, 0)):
+        assert faulty[key].finish_reason == "length" and faulty[key].tokens == clean[key].tokens
+
+
+def test_prompt_without_room_ends_as_prompt_too_long(model):
+    ps = prompts((10, 30))
+    policy = load_policy("full")
+    dec = Decoder(model, policy, rows=2, capacity=32, max_length=32, sampling=SamplingConfig(temperature=0))
+    done = {f.key: f for f in dec.run([Request(ps[0], [1], key="short"), Request(ps[1], [2, 3], key="long")])}
+    assert done["short"].finish_reason == "length" and len(done["short"].tokens) == 22
+    long = [f for f in dec.run([Request(ps[1], [2, 3], key="long", max_new_tokens=1)])]
+    assert [f.finish_reason for f in long] == ["length", "length"]
+    dec2 = Decoder(model, policy, rows=2, capacity=40, max_length=30, sampling=SamplingConfig(temperature=0))
+    out = list(dec2.run([Request(ps[1], [2, 3], key="long")]))
+    assert [f.finish_reason for f in out] == ["prompt_too_long"] * 2 and all(f.tokens == [] for f in out)
+
+
+def test_a_request_that_does_not_fit_the_cache_is_refused_before_decoding(model):
+    dec = Decoder(model, load_policy("full"), rows=2, capacity=20, max_new_tokens=16)
+    with pytest.raises(ValueError, match="cache slots per row"):
+        list(dec.run([Request(prompts((10,))[0], [1])]))
+
+
+# ---- the FlashAttention-2 path against a reference of flash_attn's contract (CPU) -------------------------------
+@pytest.fixture
+def fake_flash(monkeypatch):
+    """``flash_attn`` = tests/flash_attn_reference.py, and the engine allowed to pick it on CPU."""
+    import sys
+    import types
+
+    from tests import flash_attn_reference as ref
+
+    module = types.ModuleType("flash_attn")
+    module.flash_attn_func = ref.flash_attn_func
+    module.flash_attn_with_kvcache = ref.flash_attn_with_kvcache
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+    monkeypatch.setattr("vase.engine.decode.resolve_backend", lambda backend, device: backend)
+    ref.calls.clear()
+    return ref
+
+
+def _logits_by_row(model, policy_name, backend, reqs, rows):
+    out: dict = {}
+    step_logits: dict = {}
+
+    def on_step(info):
+        for j, rid in enumerate(info.rows):
+            out.setdefault(rid, []).append(step_logits[info.step][j].clone())
+
+    _, done = decode_all(
+        model,
+        load_policy(policy_name),
+        reqs,
+        rows=rows,
+        max_new=30,
+        sampling=SamplingConfig(temperature=0),
+        ignore_eos=True,
+        attn_backend=backend,
+        on_step=on_step,
+        on_logits=lambda s, lg: step_logits.__setitem__(s, lg),
+    )
+    return out, done
+
+
+@pytest.mark.parametrize("name", ["full", "snapkv", "quest"])
+def test_flash_attention_path_matches_sdpa_on_rows_of_different_lengths(model, fake_flash, name):
+    reqs = [Request(p, [i], key=i) for i, p in enumerate(prompts((9, 26, 17)))]
+    want, want_done = _logits_by_row(model, name, "sdpa", reqs, rows=2)
+    got, got_done = _logits_by_row(model, name, "flash_attn", reqs, rows=2)
+    fns = {c["fn"] for c in fake_flash.calls}
+    assert fns == {"flash_attn_func", "flash_attn_with_kvcache"} or (name == "quest" and "flash_attn_func" in fns)
+    seqlens = [c["seqlens"] for c in fake_flash.calls if c["fn"] == "flash_attn_with_kvcache"]
+    assert any(len(set(s)) > 1 for s in seqlens), "the rows should hold different lengths"
+    for rid in want:
+        assert got_done[rid].tokens == want_done[rid].tokens
+        diff = max((a - b).abs().max().item() for a, b in zip(got[rid], want[rid]))
+        assert diff <= 1e-5, (rid, diff)
+
+
+def test_flash_attention_path_catches_a_length_bug(model, fake_flash, monkeypatch):
+    """The comparison can fail: cache_seqlens one short (the new token left out) changes the logits."""
+    from vase.engine.cache import VaseCache
+
+    reqs = [Request(p, [i], key=i) for i, p in enumerate(prompts((9, 26)))]
+    want, _ = _logits_by_row(model, "full", "sdpa", reqs, rows=2)
+    monkeypatch.setattr(VaseCache, "seqlens_i32", lambda self: self.lengths_t[: self.n_live].to(torch.int32))
+    got, _ = _logits_by_row(model, "full", "flash_attn", reqs, rows=2)
+    assert max((a - b).abs().max().item() for rid in want for a, b in zip(got[rid], want[rid])) > 1e-3
