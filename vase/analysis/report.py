@@ -11,6 +11,7 @@ Pipeline (what ``scripts/report.py`` runs)::
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,9 +24,11 @@ from vase.analysis.diversity import diversity_table
 from vase.analysis.figures import paper_figures, save_figure
 from vase.analysis.load import Tree, load_tree
 from vase.analysis.tables import Table, paper_tables, to_markdown, write_table
-from vase.analysis.wandb_summary import default_group, log_to_wandb
+from vase.analysis.wandb_summary import default_group, log_to_wandb, logged_keys
 
 logger = logging.getLogger(__name__)
+
+MANIFEST = "report.json"  # the group and the media keys the summary run logs (what the W&B dashboard binds)
 
 
 @dataclass
@@ -54,7 +57,9 @@ def build_report(
     """Every table and figure of a results tree into ``out_dir`` (default ``<results_dir>/report``), and W&B.
 
     Writes ``tables/*.{csv,md,tex}``, ``figures/*.{png,pdf}``, ``report.md`` (every table and figure, and the
-    figures skipped with the reason) and, unless ``wandb_mode == "disabled"``, a W&B summary run in ``group``.
+    figures skipped with the reason), ``report.json`` (the W&B group and the keys of every table, figure and chart
+    the summary run logs: what ``scripts/dashboard.py`` binds its panels to) and, unless
+    ``wandb_mode == "disabled"``, a W&B summary run in ``group``.
     """
     tree = load_tree(results_dir)
     out = Path(out_dir) if out_dir is not None else Path(results_dir) / "report"
@@ -76,17 +81,21 @@ def build_report(
     skipped = figs.skipped + [(d, f"run skipped: {why}") for d, why in tree.skipped]
     _write_index(out, tables, figure_paths, skipped, tree)
     report = Report(out, tables, table_paths, figure_paths, skipped, summary)
+    group = group or default_group(tree)
     if wandb_mode != "disabled":
         report.wandb_run_id = log_to_wandb(
             tables,
             figure_paths,
             summary,
-            group=group or default_group(tree),
+            group=group,
             out_dir=out,
             mode=wandb_mode,
             project=project,
             entity=entity,
         )
+    manifest = {"group": group, "project": project, "entity": entity, "wandb_run_id": report.wandb_run_id}
+    manifest |= logged_keys(tables, figure_paths, summary)
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     logger.info(
         "report: %d tables, %d figure files, %d skipped -> %s", len(tables), len(figure_paths), len(skipped), out
     )

@@ -1,9 +1,14 @@
-"""The report's W&B summary run: every table, figure and native chart of a report in the sweep's group."""
+"""The report's W&B summary run: every table, figure and native chart of a report in the sweep's group.
+
+The keys it logs (:func:`logged_keys`: ``tables/<name>``, ``figures/<name>``, ``charts/...``) are also written to the
+report's ``report.json``, from which :mod:`vase.analysis.dashboard` binds its panels.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -19,6 +24,64 @@ def default_group(tree: Tree) -> str:
     if len(groups) == 1:
         return groups.pop()
     return tree.root.resolve().name
+
+
+def table_key(name: str) -> str:
+    """The summary run's key of table ``name``."""
+    return f"tables/{name}"
+
+
+def figure_key(stem: str) -> str:
+    """The summary run's key of the figure saved as ``<stem>.png``."""
+    return f"figures/{stem}"
+
+
+@dataclass
+class Chart:
+    """A native W&B chart of the summary run: a bar chart (``x = "method"``) or a line chart (``x`` = ratio/budget).
+
+    ``data`` holds the columns ``x`` and ``accuracy`` (and ``method`` for a line chart, one line per method).
+    """
+
+    key: str
+    kind: str
+    x: str
+    title: str
+    data: pd.DataFrame
+
+
+def chart_specs(summary: pd.DataFrame) -> list[Chart]:
+    """The native charts of a summary: pass@1 per policy for each (model, task, operating point), the full cache
+    included (``charts/accuracy_<model>_<task>_<op>``), and pass@1 vs the operating point per (model, task) with two
+    or more points (``charts/accuracy_vs_<ratio|budget>_<model>_<task>``)."""
+    charts = []
+    chart_df = summary[["model", "task", "method", "policy", "op", "op_kind", "op_value", "budget", "accuracy"]]
+    for (model, task, op), sub in chart_df.groupby(["model", "task", "op"]):
+        if op == "full":
+            continue
+        full = chart_df[(chart_df["model"] == model) & (chart_df["task"] == task) & (chart_df["op"] == "full")]
+        key = f"charts/accuracy_{slug(model)}_{slug(task)}_{slug(op)}"
+        data = pd.concat([full, sub])[["method", "accuracy"]]
+        charts.append(Chart(key, "bar", "method", f"{task} {model} {op}: pass@1 (%)", data))
+    for (model, task), sub in chart_df[chart_df["op_kind"] != "full"].groupby(["model", "task"]):
+        kind = "ratio" if (sub["op_kind"] == "ratio").all() else "budget"
+        sub = sub.assign(x=sub["op_value"] if kind == "ratio" else sub["budget"]).sort_values("x")
+        if sub["x"].nunique() < 2:
+            continue
+        key = f"charts/accuracy_vs_{kind}_{slug(model)}_{slug(task)}"
+        data = sub[["x", "accuracy", "method"]].rename(columns={"x": kind})
+        charts.append(Chart(key, "line", kind, f"{task} {model}: pass@1 vs {kind}", data))
+    return charts
+
+
+def logged_keys(tables: Sequence[Table], figure_paths: Sequence[Path], summary: pd.DataFrame) -> dict[str, list[str]]:
+    """The media keys :func:`log_to_wandb` logs for these tables, figures and summary: ``tables``, ``figures`` (the
+    PNG files) and ``charts``, each sorted."""
+    return {
+        "tables": sorted(table_key(t.name) for t in tables),
+        "figures": sorted(figure_key(Path(p).stem) for p in figure_paths if Path(p).suffix == ".png"),
+        "charts": sorted(c.key for c in chart_specs(summary)),
+    }
 
 
 def _wandb_frame(df: pd.DataFrame) -> pd.DataFrame:
@@ -74,27 +137,17 @@ def log_to_wandb(
     )
     try:
         for t in tables:
-            run.log({f"tables/{t.name}": wandb.Table(dataframe=_wandb_frame(t.data))})
+            run.log({table_key(t.name): wandb.Table(dataframe=_wandb_frame(t.data))})
         for path in figure_paths:
             if Path(path).suffix == ".png":
-                run.log({f"figures/{Path(path).stem}": wandb.Image(str(path))})
-        chart_df = summary[["model", "task", "method", "policy", "op", "op_kind", "op_value", "budget", "accuracy"]]
-        for (model, task, op), sub in chart_df.groupby(["model", "task", "op"]):
-            if op == "full":
-                continue
-            full = chart_df[(chart_df["model"] == model) & (chart_df["task"] == task) & (chart_df["op"] == "full")]
-            tab = wandb.Table(dataframe=_wandb_frame(pd.concat([full, sub])[["method", "accuracy"]]))
-            key = f"charts/accuracy_{slug(model)}_{slug(task)}_{slug(op)}"
-            run.log({key: wandb.plot.bar(tab, "method", "accuracy", title=f"{task} {model} {op}: pass@1 (%)")})
-        for (model, task), sub in chart_df[chart_df["op_kind"] != "full"].groupby(["model", "task"]):
-            kind = "ratio" if (sub["op_kind"] == "ratio").all() else "budget"
-            sub = sub.assign(x=sub["op_value"] if kind == "ratio" else sub["budget"]).sort_values("x")
-            if sub["x"].nunique() < 2:
-                continue
-            tab = wandb.Table(dataframe=_wandb_frame(sub[["x", "accuracy", "method"]].rename(columns={"x": kind})))
-            key = f"charts/accuracy_vs_{kind}_{slug(model)}_{slug(task)}"
-            title = f"{task} {model}: pass@1 vs {kind}"
-            run.log({key: wandb.plot.line(tab, kind, "accuracy", stroke="method", title=title)})
+                run.log({figure_key(Path(path).stem): wandb.Image(str(path))})
+        for chart in chart_specs(summary):
+            tab = wandb.Table(dataframe=_wandb_frame(chart.data))
+            if chart.kind == "bar":
+                plot = wandb.plot.bar(tab, chart.x, "accuracy", title=chart.title)
+            else:
+                plot = wandb.plot.line(tab, chart.x, "accuracy", stroke="method", title=chart.title)
+            run.log({chart.key: plot})
         run.summary.update(
             {
                 f"accuracy/{r.task}/{r.op}/{r.policy}": r.accuracy
