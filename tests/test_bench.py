@@ -204,7 +204,7 @@ def test_isolated_worker_runs_one_config_in_a_fresh_process():
     assert run_isolated("nonsense", spec, timeout=300)["error"]
 
 
-@pytest.mark.slow  # ~5 s alone, 40 s+ on a loaded 2-core machine; run after engine changes (make test-slow)
+@pytest.mark.slow  # ~10 s alone, 40 s+ on a loaded 2-core machine; run after engine changes (make test-slow)
 def test_attention_check_passes_on_the_tiny_preset():
     """scripts/gpu_check.py's checks (SDPA against the eager reference, float32, CPU) hold and see evictions."""
     import argparse
