@@ -5,7 +5,7 @@
 # policies full / streaming / rkv / vase_attnv / vase_dkv.
 #
 # What is shortened to fit (say so when quoting the numbers): one full-length 16K run of a 14B model alone takes
-# minutes, so the sweep uses `--protocol steady` (see scripts/bench_throughput.py): each eviction policy is timed in
+# minutes, so the sweep uses `--protocol steady` (see vase/bench/throughput.py): each eviction policy is timed in
 # its steady state (prompt = budget: the cache is full from the first step and evicts every 64 steps; capacity
 # budget + 64 as in the real run) over 192 decode steps, 1 warm-up (72 steps, one eviction) + 2 timed runs (mean of 2:
 # the paper drops min and max of 5); the full cache is timed at the end of each output length (prompt = 256 + N - 192,

@@ -20,15 +20,16 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_throughput as bt  # noqa: E402  (stdlib + torch at import)
-from bench_kvpress import decode_greedy  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# vase.bench.kvpress and vase.bench.shapes import only the standard library and torch (this runs in the kvpress venv)
+from vase.bench.kvpress import cache_argument, decode_greedy  # noqa: E402
+from vase.bench.shapes import PRESETS, model_config_kwargs, random_prompt  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mode", choices=["press", "nopress"], default="press")
-    ap.add_argument("--model", default="cpu-small", choices=list(bt.PRESETS))
+    ap.add_argument("--model", default="cpu-small", choices=list(PRESETS))
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--budget", type=int, default=2048, help="also the prompt length")
     ap.add_argument("--window", type=int, default=64)
@@ -41,10 +42,10 @@ def main() -> None:
 
     torch.set_num_threads(1)
     p, n, batch = args.budget, args.output_len, args.batch
-    config = Qwen3Config(**bt.model_config_kwargs(args.model, p + n + 1))
+    config = Qwen3Config(**model_config_kwargs(args.model, p + n + 1))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16).eval()
-    prompt = bt.random_prompt(p, config.vocab_size, seed=0)
+    prompt = random_prompt(p, config.vocab_size, seed=0)
     press = DecodingPress(
         base_press=SnapKVPress(window_size=args.window - 1, kernel_size=5),
         compression_interval=args.window,
@@ -54,7 +55,8 @@ def main() -> None:
         cache = DynamicCache()
         ids = prompt.view(1, -1).expand(batch, -1)
         with torch.inference_mode(), press(model) if args.mode == "press" else contextlib.nullcontext():
-            tok = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
+            tok = out.logits[:, -1].argmax(-1)
             marks = [time.perf_counter()]
             decode_greedy(model, cache, tok, p, n, on_step=lambda i, m=marks: i % 64 or m.append(time.perf_counter()))
             blocks = [(b - a) / 64 * 1e3 for a, b in zip(marks, marks[1:])]

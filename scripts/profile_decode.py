@@ -15,14 +15,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_throughput as bt  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from vase.bench.jobs import Job  # noqa: E402
+from vase.bench.shapes import PRESETS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--policy", default="snapkv", help="a conf/policy name")
-    ap.add_argument("--model", default="cpu-small", choices=list(bt.PRESETS))
+    ap.add_argument("--model", default="cpu-small", choices=list(PRESETS))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, default=16)
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         batch=args.batch, prompt_len=args.prompt_len, warmup=0, repeats=1, seed=0, protocol="full", steady_steps=0,
         warmup_steps=None, policy=args.policy, budget=args.budget, output_len=args.steps,
     )  # fmt: skip
-    job = bt.Job(spec)  # raises one ValueError naming --policies for an unknown policy
+    job = Job(spec)  # raises one ValueError naming --policies for an unknown policy
     job.once(8)
     from torch.profiler import ProfilerActivity, profile
 

@@ -17,6 +17,7 @@ marked †) and writes:
   figures/  accuracy_vs_budget_*, failure_modes_*, output_lengths_*, throughput_memory_*, ablation_* (protection x
             temperature), gsm8k_pilot_* / accuracy_bars_*, cache_diversity; each as .png and .pdf
   report.md every table and figure, and the figures the data cannot support with the reason
+  report.json the W&B group and the keys the summary run logs (scripts/dashboard.py --report binds them)
 
 --wandb offline (default) writes a W&B summary run (job_type=summary) into <out>/wandb, grouped with the sweep
 (--group, default: the runs' logger.group or the results directory's name); upload later with

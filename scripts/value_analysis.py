@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from vase.analysis.value_analysis import analyze, parse_large, write_outputs
+    from vase.analysis.value_analysis import analyze, parse_large
+    from vase.analysis.value_figures import write_outputs
 
     try:
         for x in large:

@@ -26,7 +26,13 @@ import pandas as pd
 import pytest
 import yaml
 
-from vase.analysis import report as A
+from vase.analysis.aggregate import summarize
+from vase.analysis.figures import FigureResult, figure_ablation_heatmap, figure_accuracy_vs_budget
+from vase.analysis.labels import MISSING
+from vase.analysis.load import find_run_dirs, load_tree
+from vase.analysis.load import resolve_budget as analysis_resolve_budget
+from vase.analysis.report import build_report
+from vase.analysis.tables import accuracy_table, paper_tables, to_latex, to_markdown, write_table
 
 TARGETS = {
     "full": "vase.engine.policy.FullCache",
@@ -188,8 +194,8 @@ def row(summary: pd.DataFrame, task: str, policy: str, op: str) -> pd.Series:
 
 
 def test_find_and_load(tree_dir: Path):
-    assert len(A.find_run_dirs(tree_dir)) == 8
-    tree = A.load_tree(tree_dir)
+    assert len(find_run_dirs(tree_dir)) == 8
+    tree = load_tree(tree_dir)
     assert len(tree.runs) == 8
     half = tree.runs[tree.runs["run_dir"].str.endswith("sweep/x/y/c")].iloc[0]
     assert not half["complete"] and half["samples"] == 3 and half["source"] == "samples.jsonl"
@@ -200,7 +206,7 @@ def test_find_and_load(tree_dir: Path):
 
 
 def test_summary_values_hand_computed(tree_dir: Path):
-    s = A.summarize(A.load_tree(tree_dir))
+    s = summarize(load_tree(tree_dir))
     assert len(s) == 8
     expect = {  # (task, policy, op): (accuracy %, standard error %)
         ("gsm8k", "full", "full"): (50.0, 100 * 0.5 / math.sqrt(3)),
@@ -233,11 +239,11 @@ def test_summary_values_hand_computed(tree_dir: Path):
 
 
 def test_accuracy_table_missing_run_and_incomplete(tree_dir: Path):
-    s = A.summarize(A.load_tree(tree_dir))
-    t64 = A.accuracy_table(s, "m", "B=64")
+    s = summarize(load_tree(tree_dir))
+    t64 = accuracy_table(s, "m", "B=64")
     assert list(t64.data["policy"]) == ["full", "snapkv", "vase_attnv"]
     assert list(t64.display.columns) == ["Method", "MATH", "GSM8K"]  # paper tasks first; no avg without all five
-    t = A.accuracy_table(s, "m", "B=128")
+    t = accuracy_table(s, "m", "B=128")
     d = t.data.set_index("policy")
     assert math.isnan(d.loc["vase_attnv", "gsm8k"])  # the missing run
     assert d.loc["snapkv", "gsm8k"] == pytest.approx(200 / 3)
@@ -245,12 +251,12 @@ def test_accuracy_table_missing_run_and_incomplete(tree_dir: Path):
     assert d.loc["full", "gsm8k"] == pytest.approx(50.0)  # the full cache is in every operating point's table
     assert "avg" not in d  # only 1 of the 5 paper tasks
     disp = t.display.set_index("Method")
-    assert disp.loc["VaSE-AttnV", "GSM8K"] == A.MISSING
+    assert disp.loc["VaSE-AttnV", "GSM8K"] == MISSING
     assert disp.loc["Full cache", "GSM8K"] == "50.00 ± 28.87"
-    md = A.to_markdown(A.accuracy_table(s, "m", "B=64"))
+    md = to_markdown(accuracy_table(s, "m", "B=64"))
     assert "100.00 ± 0.00 †" in md and "† incomplete" in md
     assert "| Full cache | 100.00 ± 0.00 | 50.00 ± 28.87 |" in md
-    tex = A.to_latex(t64)
+    tex = to_latex(t64)
     assert r"\toprule" in tex and r"50.00 $\pm$ 28.87" in tex and r"\textbf{" in tex
 
 
@@ -262,8 +268,8 @@ def test_five_task_average(tmp_path: Path):
         if task != "hmmt25":  # snapkv misses one task: no average
             make_run(root, f"snap/{task}", task, "snapkv", 64, {"p0": [a, 0], "p1": [b, b]})
         make_run(root, f"vase/{task}", task, "vase_attnv", 64, {"p0": [1, 0], "p1": [1, 1]})
-    s = A.summarize(A.load_tree(root))
-    t = A.accuracy_table(s, "m", "B=64")
+    s = summarize(load_tree(root))
+    t = accuracy_table(s, "m", "B=64")
     assert [c for c in t.display.columns] == ["Method", "AIME25", "GPQA-D", "MATH", "AIME26", "HMMT25", "Avg (5)"]
     d = t.data.set_index("policy")
     per_task = [50.0, 100.0, 0.0, 100.0, 50.0]
@@ -272,7 +278,7 @@ def test_five_task_average(tmp_path: Path):
     assert d.loc["full", "avg_se"] == pytest.approx(math.sqrt(sum(e * e for e in ses)) / 5)
     assert math.isnan(d.loc["snapkv", "avg"])
     assert d.loc["vase_attnv", "avg"] == pytest.approx(75.0)
-    assert t.display.set_index("Method").loc["SnapKV", "Avg (5)"] == A.MISSING
+    assert t.display.set_index("Method").loc["SnapKV", "Avg (5)"] == MISSING
 
 
 def test_policy_identity_from_varying_hyperparameters(tmp_path: Path):
@@ -289,7 +295,7 @@ def test_policy_identity_from_varying_hyperparameters(tmp_path: Path):
             params={"n_protect": n_protect, "attn_temperature": temp, "sinks": 4},
         )
     make_run(root, "full", "aime25", "full", 64, {"p0": [1, 1]})
-    tree = A.load_tree(root)
+    tree = load_tree(root)
     labels = set(tree.runs["policy"])
     # attn_temperature=1.0 is VaSEAttnV's default: not part of the label; n_protect's default is None
     assert labels == {
@@ -299,10 +305,10 @@ def test_policy_identity_from_varying_hyperparameters(tmp_path: Path):
         "vase_attnv[attn_temperature=0.5,n_protect=32]",
         "vase_attnv[n_protect=32]",
     }
-    s = A.summarize(tree)
+    s = summarize(tree)
     assert row(s, "aime25", "vase_attnv[n_protect=16]", "B=64")["accuracy"] == 100.0
-    res = A.FigureResult()
-    A.figure_ablation_heatmap(s, res)
+    res = FigureResult()
+    figure_ablation_heatmap(s, res)
     assert list(res.figures) == ["ablation_m_aime25_vase_attnv_B64"]
 
 
@@ -310,31 +316,31 @@ def test_ratio_operating_point_matches_runner(tmp_path: Path):
     from vase.run.runner import resolve_budget
 
     for ref, ratio, window in [(256, 4, 16), (15325, 4, 64), (1000, 3, 64), (100, 8, 16)]:
-        assert A.resolve_budget(ref, ratio, window) == resolve_budget(ref, ratio, window)
+        assert analysis_resolve_budget(ref, ratio, window) == resolve_budget(ref, ratio, window)
     root = tmp_path / "ratio"
     for ratio in (2, 4):
-        budget = A.resolve_budget(256, ratio, 16)
+        budget = analysis_resolve_budget(256, ratio, 16)
         make_run(root, f"s{ratio}", "gsm8k", "snapkv", budget, {"p0": [1, 0]}, ratio=ratio, window=16, reference=256)
     make_run(root, "explicit", "gsm8k", "snapkv", 96, {"p0": [1, 1]}, ratio=4, window=16, reference=256)
     # an explicit budget equal to the ratio-derived one is ambiguous from config.yaml alone; budget_source decides
     d = make_run(root, "explicit64", "gsm8k", "snapkv", 64, {"p0": [1, 1]}, ratio=4, window=16, reference=256)
     cfg = yaml.safe_load((d / "config.yaml").read_text())
     (d / "config.yaml").write_text(yaml.safe_dump({**cfg, "budget_source": "explicit"}))
-    tree = A.load_tree(root)
+    tree = load_tree(root)
     assert sorted(tree.runs["op"]) == ["2x", "4x", "B=64", "B=96"]
-    res = A.FigureResult()
-    A.figure_accuracy_vs_budget(A.summarize(tree), res)
+    res = FigureResult()
+    figure_accuracy_vs_budget(summarize(tree), res)
     assert list(res.figures) == ["accuracy_vs_ratio_m_gsm8k", "accuracy_vs_budget_m_gsm8k"]
 
 
 def test_tables_written_and_csv_values(tree_dir: Path, tmp_path: Path):
-    s = A.summarize(A.load_tree(tree_dir))
-    tables = A.paper_tables(s)
+    s = summarize(load_tree(tree_dir))
+    tables = paper_tables(s)
     names = {t.name for t in tables}
     assert {"summary", "accuracy_m_B64", "accuracy_m_B128", "failures_m_B64", "efficiency_m_B128"} <= names
     out = tmp_path / "tables"
     for t in tables:
-        for p in A.write_table(t, out):
+        for p in write_table(t, out):
             assert p.stat().st_size > 0
     csv = pd.read_csv(out / "accuracy_m_B64.csv").set_index("policy")
     assert csv.loc["snapkv", "gsm8k"] == pytest.approx(100 / 6)
@@ -364,7 +370,7 @@ def test_report_renders_every_figure(tree_dir: Path, tmp_path: Path):
     out = tmp_path / "report"
     (out / "figures").mkdir(parents=True)
     (out / "figures" / "old_figure.png").write_bytes(b"stale")  # a rerun replaces the outputs
-    report = A.build_report(tree_dir, out, formats=("png",))
+    report = build_report(tree_dir, out, formats=("png",))
     assert not (out / "figures" / "old_figure.png").exists()
     pngs = {p.stem: p for p in report.figure_paths}
     expected = {
@@ -392,7 +398,7 @@ def test_report_pdf_and_skips(tmp_path: Path):
     root = tmp_path / "one"
     make_run(root, "a", "gsm8k", "full", 64, {"p0": [1, 0], "p1": [1, 1]})
     make_run(root, "b", "gsm8k", "snapkv", 64, {"p0": [1, 0], "p1": [0, 1]})
-    report = A.build_report(root, tmp_path / "out", formats=("png", "pdf"))
+    report = build_report(root, tmp_path / "out", formats=("png", "pdf"))
     pdfs = [p for p in report.figure_paths if p.suffix == ".pdf"]
     assert pdfs and all(p.read_bytes()[:4] == b"%PDF" for p in pdfs)
     skipped = dict(report.skipped)
@@ -423,19 +429,19 @@ def test_metrics_only_run(tmp_path: Path):
         "compression_ratio": 3.0,
     }
     (d / "metrics.json").write_text(json.dumps(saved))
-    s = A.summarize(A.load_tree(root))
+    s = summarize(load_tree(root))
     r = row(s, "gsm8k", "snapkv", "B=64")
     assert (r["accuracy"], r["accuracy_se"], r["loop_rate"], r["ok_rate"]) == pytest.approx((40, 5, 10, 70))
     assert r["samples"] == 40 and r["complete"] and math.isnan(r["decode_tokens_per_second"])
-    assert {t.name for t in A.paper_tables(s)} >= {"summary", "accuracy_m_B64"}
+    assert {t.name for t in paper_tables(s)} >= {"summary", "accuracy_m_B64"}
 
 
 def test_errors(tmp_path: Path):
     with pytest.raises(ValueError, match="no such directory"):
-        A.load_tree(tmp_path / "nope")
+        load_tree(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no runs"):
-        A.load_tree(tmp_path / "empty")
+        load_tree(tmp_path / "empty")
 
 
 def test_report_script_and_wandb_offline(tmp_path: Path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The throughput benchmark (scripts/bench_throughput.py) on the tiny preset: columns and the static KV size.
+"""The throughput benchmark (vase.bench, scripts/bench_throughput.py) on the tiny preset: columns, static KV size.
 
 No timing assertions: speed on a shared CPU is not a property of the code.
 """
@@ -6,24 +6,16 @@ No timing assertions: speed on a shared CPU is not a property of the code.
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bt = _load("bench_throughput")
+from vase.bench.kvpress import cache_argument, decode_greedy
+from vase.bench.measure import trimmed_mean
+from vase.bench.report import CSV_COLUMNS, check_targets
+from vase.bench.shapes import PRESETS, static_capacity
+from vase.bench.throughput import parse_args, run_benchmark
+from vase.bench.worker import run_isolated
 
 TINY = [
     "--model",
@@ -54,22 +46,22 @@ def _csv(path: Path) -> list[dict]:
 
 def test_static_capacity_matches_method():
     # eviction: min(P + N, max(P, B) + W); otherwise P + N
-    assert bt.static_capacity("eviction", 24, 100, 32, 8) == 40
-    assert bt.static_capacity("eviction", 64, 100, 32, 8) == 72
-    assert bt.static_capacity("eviction", 24, 10, 32, 8) == 34
-    assert bt.static_capacity("none", 24, 100, 32, 8) == 124
-    assert bt.static_capacity("selection", 24, 100, 32, 8) == 124
+    assert static_capacity("eviction", 24, 100, 32, 8) == 40
+    assert static_capacity("eviction", 64, 100, 32, 8) == 72
+    assert static_capacity("eviction", 24, 10, 32, 8) == 34
+    assert static_capacity("none", 24, 100, 32, 8) == 124
+    assert static_capacity("selection", 24, 100, 32, 8) == 124
 
 
 def test_trimmed_mean_drops_min_and_max():
-    assert bt.trimmed_mean([1.0, 2.0, 3.0, 100.0]) == 2.5
-    assert bt.trimmed_mean([4.0, 2.0]) == 3.0
+    assert trimmed_mean([1.0, 2.0, 3.0, 100.0]) == 2.5
+    assert trimmed_mean([4.0, 2.0]) == 3.0
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "sequential"])
 def test_benchmark_writes_csv_and_kv_bytes_equal_static_size(tmp_path, schedule):
     out = tmp_path / "bench"
-    args = bt.parse_args(
+    args = parse_args(
         TINY
         + [
             "--policies",
@@ -84,9 +76,9 @@ def test_benchmark_writes_csv_and_kv_bytes_equal_static_size(tmp_path, schedule)
             str(out),
         ]
     )
-    rows = bt.run_benchmark(args)
+    rows = run_benchmark(args)
     table = _csv(out / "bench.csv")
-    assert list(table[0].keys()) == bt.CSV_COLUMNS
+    assert list(table[0].keys()) == CSV_COLUMNS
     assert (out / "machine.json").exists() and (out / "bench.png").exists() and (out / "bench.pdf").exists()
     assert len(rows) == len(table) == 2 * 4  # full once per output length (it ignores the budget)
     for r in rows:
@@ -106,7 +98,7 @@ def test_benchmark_writes_csv_and_kv_bytes_equal_static_size(tmp_path, schedule)
 
 def test_steady_protocol_estimates_every_output_length(tmp_path):
     out = tmp_path / "steady"
-    args = bt.parse_args(
+    args = parse_args(
         TINY
         + [
             "--policies",
@@ -125,7 +117,7 @@ def test_steady_protocol_estimates_every_output_length(tmp_path):
             str(out),
         ]
     )
-    rows = bt.run_benchmark(args)
+    rows = run_benchmark(args)
     assert all(r["status"] == "ok" for r in rows)
     assert all(r["kv_bytes_equal"] for r in rows)
     by = {(r["policy"], r["budget"], r["output_len"]): r for r in rows}
@@ -147,20 +139,20 @@ def test_targets_without_full_rows_do_not_judge_the_full_cache_target():
              ratio_vs_streaming=ratio, ratio_vs_full=None)
         for name, ratio in (("streaming", 1.0), ("vase_attnv", 0.97), ("vase_dkv", 0.9))
     ]  # fmt: skip
-    targets = {t["target"].split(" (")[0]: t for t in bt.check_targets(rows)}
+    targets = {t["target"].split(" (")[0]: t for t in check_targets(rows)}
     assert not any("faster than full" in t for t in targets)
     assert targets["vase_attnv >= 0.95x streaming"]["met"] and not targets["vase_dkv >= 0.95x streaming"]["met"]
     rows.append(dict(rows[0], policy="full", kind="none", budget=0, ratio_vs_full=1.0))
-    targets = [t for t in bt.check_targets(rows) if "faster than full" in t["target"]]
+    targets = [t for t in check_targets(rows) if "faster than full" in t["target"]]
     assert len(targets) == 1 and not targets[0]["met"]  # no eviction row has a ratio against full above 1
 
 
 def test_paper14b_preset_settings():
-    args = bt.parse_args(["--preset", "paper14b", "--device", "cpu"])
+    args = parse_args(["--preset", "paper14b", "--device", "cpu"])
     assert args.model == "qwen3-14b-shape" and args.batch == 16 and args.prompt_len == 256
     assert args.budgets == [2048, 4096, 6144] and args.output_lens == [16384, 32768]
     assert set(args.policies) == {"full", "streaming", "rkv", "vase_attnv", "vase_dkv"}
-    shape = bt.PRESETS["qwen3-14b-shape"]
+    shape = PRESETS["qwen3-14b-shape"]
     assert (shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"]) == (5120, 40, 40)
     assert (shape["num_key_value_heads"], shape["head_dim"], shape["intermediate_size"]) == (8, 128, 17408)
 
@@ -172,14 +164,57 @@ def test_kvpress_side_decode_loop_is_plain_greedy_decoding():
 
     from vase.models import tiny_model
 
-    bk = _load("bench_kvpress")
     model = tiny_model("qwen3")
     prompt = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     want = model.generate(prompt, max_new_tokens=10, do_sample=False, min_new_tokens=10)[:, 12:]
     cache = DynamicCache()
     with torch.inference_mode():
-        tok = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
+        tok = model(input_ids=prompt, cache=cache, use_cache=True).logits[:, -1].argmax(-1)
         tokens = torch.empty((2, 10), dtype=torch.long)
         tokens[:, 0] = tok
-        bk.decode_greedy(model, cache, tok, 12, 10, tokens)
+        decode_greedy(model, cache, tok, 12, 10, tokens)
     assert torch.equal(tokens, want)
+
+
+def test_cache_argument_follows_the_forward_signature():
+    """Our transformers takes ``cache=``; the kvpress venv's older one only ``past_key_values=``."""
+    import torch
+
+    from vase.models import tiny_model
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            return input_ids
+
+    assert cache_argument(tiny_model("qwen3")) == "cache"
+    assert cache_argument(Old()) == "past_key_values"
+
+
+def test_isolated_worker_runs_one_config_in_a_fresh_process():
+    """``--isolate subprocess``: ``python -m vase.bench.worker`` returns the same row fields as in-process."""
+    spec = dict(
+        model="tiny", dtype="float32", device="cpu", attn_backend="auto", window=8, batch=2, prompt_len=24, warmup=0,
+        repeats=1, seed=0, protocol="full", steady_steps=0, warmup_steps=0, policy="snapkv", budget=16, output_len=40,
+        threads=1,
+    )  # fmt: skip
+    row = run_isolated("throughput", spec, timeout=300)
+    assert row["status"] == "ok", row
+    assert row["kv_bytes_equal"] is True and row["evictions"] > 0
+    assert row["peak_mem_bytes"] > 0 and row["peak_mem_source"]
+    assert run_isolated("nonsense", spec, timeout=300)["error"]
+
+
+@pytest.mark.slow  # ~10 s alone, 40 s+ on a loaded 2-core machine; run after engine changes (make test-slow)
+def test_attention_check_passes_on_the_tiny_preset():
+    """scripts/gpu_check.py's checks (SDPA against the eager reference, float32, CPU) hold and see evictions."""
+    import argparse
+
+    from vase.bench.attention_check import check
+
+    args = argparse.Namespace(
+        device="cpu", dtype="float32", model="tiny", pair="sdpa:eager", policy="snapkv", budget=16, window=8,
+        batch=2, prompt_len=24, steps=24, seed=0, init_std=0.02, logit_tol=1e-3, kernel_tol=1e-4,
+    )  # fmt: skip
+    result = check(args)
+    assert result["checks"] == dict.fromkeys(result["checks"], True), result["checks"]
+    assert result["evictions"] > 0 and result["kernel_calls"] == 2 * 24  # 2 layers x (prefill + 23 decode steps)

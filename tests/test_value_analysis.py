@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from vase.analysis import value_analysis as V
+from vase.analysis.value_figures import write_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -159,7 +160,7 @@ def test_tiny_pipeline_writes_every_output(tiny_capture, tmp_path: Path):
     res = V.analyze(rec, token_text=str, large=("50x", "top5%"))  # nothing is 50x the median in a random model
     assert list(res.per_layer["layer"]) == [0, 2]
     assert set(res.correlation["bits"]) == {2, 4}
-    paths = V.write_outputs(res, tmp_path, formats=("png",), title="tiny", scatter=[(2, 4)])
+    paths = write_outputs(res, tmp_path, formats=("png",), title="tiny", scatter=[(2, 4)])
     pngs = [p for p in paths if p.suffix == ".png"]
     assert res.definitions == ("range > 50× median", "largest 5% of ranges")
     assert len(pngs) == 3 + 2 + 1  # 3 summary figures, positions/tokens for the definition with tokens, 1 scatter

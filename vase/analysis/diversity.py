@@ -28,12 +28,17 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+import pandas as pd
 
 from vase.run.kept_sets import KEPT_SETS_DIR, KEPT_SETS_FILE, KeptEvent, load_kept_sets
 
-__all__ = ["diversity", "diversity_from_run", "jaccard", "pairwise_jaccard"]
+if TYPE_CHECKING:
+    from vase.analysis.load import Tree
+
+__all__ = ["diversity", "diversity_from_run", "diversity_table", "jaccard", "pairwise_jaccard"]
 
 # ------------------------------------------------------------------------------------------------- Jaccard
 
@@ -129,3 +134,23 @@ def diversity_from_run(run_dir: str | Path) -> dict[str, float] | None:
         return None
     events = [e for f in files for e in load_kept_sets(f)]
     return diversity(events)
+
+
+def diversity_table(tree: Tree) -> pd.DataFrame:
+    """Per run with recorded kept sets: mean Jaccard across heads, layers and samples (see diversity)."""
+    rows = []
+    for _, run in tree.runs.iterrows():
+        d = diversity_from_run(run["run_dir"])
+        if d is None:
+            continue
+        rows.append(
+            {
+                "model": run["model"],
+                "task": run["task"],
+                "policy": run["policy"],
+                "method": run["method"],
+                "budget": run["budget"],
+                **d,
+            }
+        )
+    return pd.DataFrame(rows)

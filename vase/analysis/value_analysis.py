@@ -15,7 +15,8 @@ Analyses: per-layer distributions and the share of tokens above ``k ×`` the med
 the large-value tokens sit (sink tokens, position buckets, prompt vs output, which text tokens); the per-layer
 Spearman correlation between a token's value range and its quantization error.
 
-Run it with ``scripts/value_analysis.py`` (see ``docs/analysis.md``).
+The figures and the output files: :mod:`vase.analysis.value_figures`. Run it with ``scripts/value_analysis.py`` (see
+``docs/analysis.md``).
 """
 
 from __future__ import annotations
@@ -24,14 +25,11 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
-from matplotlib.ticker import NullFormatter
 
-from vase.analysis.report import new_figure, save_figure
 from vase.engine.scores import value_statistic
 
 logger = logging.getLogger(__name__)
@@ -341,147 +339,6 @@ def quant_error_correlation(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-# -------------------------------------------------------------------------------------------------- figures
-
-
-def plot_distributions(df: pd.DataFrame, title: str = ""):
-    """Violins of the value range and the L2 norm per layer (log scale)."""
-    layers = sorted(df["layer"].unique())
-    fig = new_figure(max(6.0, 1.1 * len(layers) + 3), 4.2)
-    axes = fig.subplots(1, 2)
-    for ax, stat, color in zip(axes, ("range", "l2"), ("#1f77b4", "#ff7f0e")):
-        data = [np.log10(np.clip(df.loc[df["layer"] == li, stat].to_numpy(), 1e-6, None)) for li in layers]
-        parts = ax.violinplot(data, showmedians=True, showextrema=True, widths=0.85)
-        for body in parts["bodies"]:
-            body.set_facecolor(color)
-            body.set_alpha(0.55)
-        ax.set_xticks(np.arange(1, len(layers) + 1), [str(x) for x in layers])
-        ax.set_xlabel("layer")
-        ax.set_ylabel(f"log10 value {'range (max - min)' if stat == 'range' else 'L2 norm'}")
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(title or "Value-state magnitude per layer (all heads, all tokens)")
-    return fig
-
-
-def plot_share_above(stats: pd.DataFrame, title: str = ""):
-    """Grouped bars: share of tokens whose range exceeds k × their (layer, head) median, per layer."""
-    cols = [c for c in stats.columns if c.startswith("share_above_")]
-    fig = new_figure(max(5.5, 0.9 * len(stats) + 3), 3.8)
-    ax = fig.add_subplot()
-    x = np.arange(len(stats))
-    w = 0.8 / max(1, len(cols))
-    for i, c in enumerate(cols):
-        ax.bar(
-            x + (i - (len(cols) - 1) / 2) * w,
-            100 * stats[c],
-            width=w,
-            label=c.replace("share_above_", "> ").replace("_median", " median"),
-        )
-    ax.set_xticks(x, stats["layer"].astype(str))
-    ax.set_xlabel("layer")
-    ax.set_ylabel("% of tokens (per head median)")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    ax.set_title(title or "Share of large-value tokens")
-    return fig
-
-
-def plot_locations(loc: pd.DataFrame, title: str = ""):
-    """Stacked horizontal bars: where the large-value tokens sit (position buckets) per layer, vs all tokens
-    (``loc``: one definition's rows of :func:`large_value_locations`)."""
-    b = loc[loc["kind"] == "bucket"]
-    layers = sorted(b["layer"].unique())
-    labels = [x[2] for x in POSITION_BUCKETS]
-    colors = ["#d62728", "#ff7f0e", "#bcbd22", "#2ca02c", "#17becf", "#1f77b4"]
-    fig = new_figure(7.5, 0.45 * (len(layers) + 1) + 2)
-    ax = fig.add_subplot()
-    rows = [f"layer {li} (large)" for li in layers] + ["all tokens"]
-    left = np.zeros(len(rows))
-    for label, color in zip(labels, colors):
-        vals = [float(b[(b["layer"] == li) & (b["where"] == label)]["large_share"].fillna(0).sum()) for li in layers]
-        vals.append(float(b[(b["layer"] == layers[0]) & (b["where"] == label)]["all_share"].sum()) if layers else 0)
-        ax.barh(rows, vals, left=left, color=color, label=label)
-        left += np.asarray(vals)
-    ax.set_xlim(0, 1)
-    ax.invert_yaxis()
-    ax.set_xlabel("share of tokens")
-    ax.legend(fontsize=7, ncols=3, loc="lower center", bbox_to_anchor=(0.5, 1.0))
-    definition = loc["definition"].iloc[0] if len(loc) else ""
-    ax.set_title(title or f"Where the large-value tokens ({definition}) sit", pad=40)
-    return fig
-
-
-def plot_top_tokens(tokens: pd.DataFrame, title: str = ""):
-    """Horizontal bars: the text tokens most often large-valued (count over layers × heads × occurrences)."""
-    fig = new_figure(6.5, 0.28 * max(len(tokens), 1) + 1.5)
-    ax = fig.add_subplot()
-    labels = [f"{t!r} @{p}" if p >= 0 else repr(t) for t, p in zip(tokens["text"], tokens["sink_position"])]
-    ax.barh(np.arange(len(tokens)), tokens["large"], color="#1f77b4")
-    ax.set_yticks(np.arange(len(tokens)), labels, fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("large-value (layer, head, position) entries")
-    definition = tokens["definition"].iloc[0] if len(tokens) else ""
-    ax.set_title(title or f"Tokens with large values ({definition}); @p: also a sink at position p", fontsize=9)
-    return fig
-
-
-def plot_quant_error(
-    df: pd.DataFrame,
-    corr: pd.DataFrame,
-    bits: int,
-    group_size: int,
-    title: str = "",
-    max_points: int = 2500,
-    seed: int = 0,
-):
-    """Per layer: scatter of value range vs relative quantization error (b bits, groups of g), Spearman in titles."""
-    layers = sorted(df["layer"].unique())
-    cols = min(len(layers), 5)
-    rows = int(np.ceil(len(layers) / cols))
-    fig = new_figure(3.2 * cols, 2.9 * rows)
-    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
-    col = f"qerr_b{bits}_g{group_size}"
-    rng = np.random.default_rng(seed)
-    for ax, li in zip(axes, layers):
-        sub = df[df["layer"] == li]
-        if len(sub) > max_points:
-            sub = sub.iloc[rng.choice(len(sub), max_points, replace=False)]
-        x = np.clip(sub["range"].to_numpy(dtype=float), 1e-6, None)
-        ax.hexbin(x, sub[col], xscale="log", gridsize=28, mincnt=1, bins="log", cmap="Blues", linewidths=0)
-        sinks = sub[sub["position"] < SINKS]
-        ax.scatter(np.clip(sinks["range"], 1e-6, None), sinks[col], s=6, c="#d62728", linewidths=0)
-        r = corr[(corr["layer"] == li) & (corr["bits"] == bits) & (corr["group_size"] == group_size)]
-        rho = r["spearman_relative"].iloc[0] if len(r) else np.nan
-        ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.tick_params(labelsize=7)
-        ax.set_title(f"layer {li}: ρ = {rho:.2f}", fontsize=9)
-        ax.set_xlabel("value range", fontsize=8)
-        ax.set_ylabel("relative error", fontsize=8)
-    for ax in axes[len(layers) :]:
-        ax.set_visible(False)
-    fig.suptitle(title or f"Value range vs {bits}-bit quantization error (groups of {group_size}); red: sinks")
-    return fig
-
-
-def plot_correlation_heatmap(corr: pd.DataFrame, title: str = ""):
-    """Heatmap of the Spearman correlation (range vs relative error) per layer × (bits, group size)."""
-    corr = corr.assign(setting=[f"{b}b/g{g}" for b, g in zip(corr["bits"], corr["group_size"])])
-    grid = corr.pivot(index="setting", columns="layer", values="spearman_relative")
-    fig = new_figure(1.0 * grid.shape[1] + 3, 0.55 * grid.shape[0] + 1.8)
-    ax = fig.add_subplot()
-    im = ax.imshow(grid.to_numpy(dtype=float), cmap="coolwarm", vmin=-1, vmax=1, aspect="auto")
-    for i in range(grid.shape[0]):
-        for j in range(grid.shape[1]):
-            ax.text(j, i, f"{grid.iat[i, j]:.2f}", ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(grid.shape[1]), [str(c) for c in grid.columns])
-    ax.set_yticks(range(grid.shape[0]), list(grid.index))
-    ax.set_xlabel("layer")
-    fig.colorbar(im, ax=ax, label="Spearman ρ")
-    ax.set_title(title or "Spearman(value range, relative quantization error)")
-    return fig
-
-
 # ------------------------------------------------------------------------------------------------- pipeline
 
 
@@ -523,51 +380,3 @@ def analyze(
         quant_error_correlation(records),
         tuple(large_label(x) for x in large),
     )
-
-
-def write_outputs(
-    res: ValueAnalysis,
-    out_dir: str | Path,
-    formats: Sequence[str] = ("png", "pdf"),
-    title: str = "",
-    save_records: bool = False,
-    scatter: Sequence[tuple[int, int]] | None = None,
-) -> list[Path]:
-    """Write the CSV tables and every figure into ``out_dir``; return the paths.
-
-    ``scatter``: the (bits, group size) settings that get a range-vs-error scatter figure (default: all).
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, df in (
-        ("per_layer_stats", res.per_layer),
-        ("large_value_positions", res.locations),
-        ("large_value_tokens", res.tokens),
-        ("quant_error_spearman", res.correlation),
-    ):
-        df.to_csv(out / f"{name}.csv", index=False)
-        paths.append(out / f"{name}.csv")
-    if save_records:
-        res.records.to_csv(out / "records.csv.gz", index=False)
-        paths.append(out / "records.csv.gz")
-    suffix = f" — {title}" if title else ""
-    figs = {
-        "value_distributions": plot_distributions(res.records, f"Value-state magnitude per layer{suffix}"),
-        "large_value_share": plot_share_above(res.per_layer, f"Share of large-value tokens{suffix}"),
-        "quant_error_spearman": plot_correlation_heatmap(res.correlation),
-    }
-    for i, definition in enumerate(res.definitions):
-        tag = "" if i == 0 else f"_{re.sub(r'[^a-z0-9]+', '_', definition.lower()).strip('_')}"
-        loc = res.locations[res.locations["definition"] == definition]
-        if loc["large_tokens"].sum() == 0:
-            logger.info("no large-value token (%s): no position / token figure for it", definition)
-            continue
-        figs[f"large_value_positions{tag}"] = plot_locations(loc)
-        figs[f"large_value_tokens{tag}"] = plot_top_tokens(res.tokens[res.tokens["definition"] == definition])
-    settings = sorted({(int(b), int(g)) for b, g in zip(res.correlation["bits"], res.correlation["group_size"])})
-    for b, g in settings if scatter is None else scatter:
-        figs[f"quant_error_b{b}_g{g}"] = plot_quant_error(res.records, res.correlation, b, g)
-    for name, fig in figs.items():
-        paths += save_figure(fig, out, name, formats, dpi=100)
-    return paths

@@ -1,0 +1,370 @@
+"""The paper-figure dashboard of a sweep on W&B, built by code (``wandb-workspaces``): a report or a saved workspace.
+
+One section per paper table and figure (:data:`SECTIONS`). Each holds
+
+* live panels over the sweep's own runs (``group = <sweep>``, ``job_type != summary``), bound to what the runner
+  logs: the run summary is ``metrics.json`` (``accuracy``, ``pass@k``, ``loop_rate``, ``decode_tokens_per_second``,
+  ``kv_cache_bytes``, ``peak_memory_bytes``, ``budget``, ...: :data:`RUN_SUMMARY_KEYS`) and the run config is the
+  resolved Hydra config (``policy._target_``, ``policy.n_protect``, ``ratio``, ...: :data:`RUN_CONFIG_KEYS`);
+* the report's panels from its summary run (``job_type = summary``, written by ``scripts/report.py --wandb``): the
+  tables, figures and native charts it logged, whose keys ``report.json`` lists (:func:`load_manifest`).
+
+Building needs no network: :func:`build_report` / :func:`build_workspace` return the ``wandb_workspaces`` objects;
+only :func:`publish` (``scripts/dashboard.py --save``) talks to W&B. Runsets name the group in their filters, so
+the same code serves the next sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import wandb_workspaces.reports.v2 as wr
+    import wandb_workspaces.workspaces as ws
+
+logger = logging.getLogger(__name__)
+
+POLICY_KEY = "policy._target_"  # the run config key that names the policy class (one bar per policy)
+TASK_KEY = "task.name"
+PASS_K = (1, 2, 4, 8, 16)  # conf/config.yaml's pass_k
+RUN_SUMMARY_KEYS = (
+    "accuracy",
+    "accuracy_stderr",
+    *(f"pass@{k}" for k in PASS_K),
+    "answered_rate",
+    "loop_rate",
+    "garbage_rate",
+    "truncation_rate",
+    "mean_output_tokens",
+    "compression_ratio",
+    "kv_cache_bytes",
+    "kv_cache_bytes_full",
+    "peak_memory_bytes",
+    "prefill_seconds",
+    "decode_tokens_per_second",
+    "evictions",
+    "eviction_seconds",
+    "budget",
+)
+RUN_CONFIG_KEYS = (POLICY_KEY, TASK_KEY, "model.key", "ratio", "budget", "policy.n_protect", "policy.attn_temperature")
+MEDIA_KINDS = ("tables", "figures", "charts")
+
+
+@dataclass(frozen=True)
+class Section:
+    """One paper table or figure: its title, what it shows, its live run panels and the report media it takes.
+
+    Attributes:
+        title: the section heading.
+        text: one paragraph under the heading.
+        run_panels: builds the live panels over the sweep's runs (given the ``wandb_workspaces.reports.v2`` module).
+        media: regular expressions; a table / figure / chart key of the report that matches one of them (``re.match``)
+            is shown in this section. Each key belongs to exactly one section.
+        group_by_task: also split the runs by task (the sections whose panels compare policies within a task).
+    """
+
+    title: str
+    text: str
+    run_panels: Callable[[Any], list]
+    media: tuple[str, ...]
+    group_by_task: bool = True
+
+
+def _bars(wr: Any, title: str, metrics: Sequence[str], orientation: str = "v") -> Any:
+    return wr.BarPlot(
+        title=title,
+        metrics=[wr.SummaryMetric(m) for m in metrics],
+        orientation=orientation,
+        groupby=wr.Config(POLICY_KEY),
+        groupby_aggfunc="mean",
+        groupby_rangefunc="stderr",
+    )
+
+
+def _scatter(wr: Any, title: str, x: Any, y: Any, **kw: Any) -> Any:
+    return wr.ScatterPlot(title=title, x=x, y=y, **kw)
+
+
+def _main_table(wr: Any) -> list:
+    return [
+        _bars(wr, "pass@1 per policy (mean ± SE over runs)", ["accuracy"]),
+        _bars(wr, "pass@k per policy", [f"pass@{k}" for k in PASS_K]),
+    ]
+
+
+def _failures(wr: Any) -> list:
+    s = wr.SummaryMetric
+    return [
+        _bars(wr, "loop / garbage / truncated rate per policy", ["loop_rate", "garbage_rate", "truncation_rate"]),
+        _bars(wr, "answered rate per policy", ["answered_rate"]),
+        _scatter(wr, "pass@1 vs mean output length", s("mean_output_tokens"), s("accuracy")),
+    ]
+
+
+def _efficiency(wr: Any) -> list:
+    s = wr.SummaryMetric
+    return [
+        _bars(wr, "decode tokens / s per policy", ["decode_tokens_per_second"]),
+        _bars(wr, "allocated KV cache vs the full cache's (bytes)", ["kv_cache_bytes", "kv_cache_bytes_full"]),
+        _bars(wr, "peak memory (bytes)", ["peak_memory_bytes"]),
+        _scatter(wr, "decode tokens / s vs mean output length", s("mean_output_tokens"), s("decode_tokens_per_second")),
+        _scatter(wr, "peak memory vs budget", s("budget"), s("peak_memory_bytes")),
+    ]
+
+
+def _budget(wr: Any) -> list:
+    s = wr.SummaryMetric
+    return [
+        _scatter(wr, "pass@1 vs compression ratio (ratio=)", wr.Config("ratio"), s("accuracy")),
+        _scatter(wr, "pass@1 vs budget", s("budget"), s("accuracy"), log_x=True),
+        _scatter(wr, "pass@1 vs achieved compression", s("compression_ratio"), s("accuracy")),
+    ]
+
+
+def _ablation(wr: Any) -> list:
+    column = wr.ParallelCoordinatesPlotColumn
+    return [
+        wr.ParallelCoordinatesPlot(
+            title="protection × attention temperature → pass@1",
+            columns=[
+                column(metric=wr.Config("policy.n_protect"), display_name="n_protect"),
+                column(metric=wr.Config("policy.attn_temperature"), display_name="attn_temperature"),
+                column(metric=wr.SummaryMetric("accuracy"), display_name="pass@1"),
+            ],
+        ),
+        _scatter(wr, "pass@1 vs n_protect", wr.Config("policy.n_protect"), wr.SummaryMetric("accuracy")),
+        _scatter(wr, "pass@1 vs attn_temperature", wr.Config("policy.attn_temperature"), wr.SummaryMetric("accuracy")),
+    ]
+
+
+def _pilot(wr: Any) -> list:
+    return [_bars(wr, "pass@1 per policy (the pilot's bars)", ["accuracy"]), _bars(wr, "loop rate", ["loop_rate"])]
+
+
+def _diversity(wr: Any) -> list:
+    text = (
+        "Kept-set overlap is computed from `kept_sets/*.npz` on disk (runs launched with `record_kept=true`), not "
+        "logged per run: its table and figure come from the report's summary run below."
+    )
+    return [wr.MarkdownPanel(markdown=text)]
+
+
+SECTIONS: tuple[Section, ...] = (
+    Section(
+        "Main table: pass@1 per policy and task",
+        "pass@1 (%) ± standard error over problems at each operating point, the full cache first, the five-task "
+        "average (method.md §4; docs/analysis.md: definitions).",
+        _main_table,
+        (r"tables/accuracy_", r"tables/summary$", r"charts/accuracy_(?!vs_)"),
+    ),
+    Section(
+        "Failure modes: loops, garbage, truncation",
+        "Share of samples classified loop / garbage / truncated / ok by the detectors of method.md §4, answered rate "
+        "and output lengths.",
+        _failures,
+        (r"tables/failures_", r"figures/failure_modes_", r"figures/output_lengths_"),
+    ),
+    Section(
+        "Efficiency: memory and throughput",
+        "Allocated KV-cache bytes against the full cache's, peak memory (CUDA max allocated, or peak RSS on CPU) and "
+        "decode tokens/s (method.md §5).",
+        _efficiency,
+        (r"tables/efficiency_", r"figures/throughput_memory_"),
+    ),
+    Section(
+        "Accuracy vs budget",
+        "pass@1 against the compression ratio (runs launched with `ratio=`) or the budget (`budget=`); the full "
+        "cache is the reference line (the `budgets` sweep).",
+        _budget,
+        (r"figures/accuracy_vs_", r"charts/accuracy_vs_"),
+        group_by_task=False,
+    ),
+    Section(
+        "Ablation: protection × attention temperature",
+        "VaSE-AttnV's protected value slots (`n_protect`) against its attention temperature (the `vase_ablation` "
+        "sweep): the paper's heatmap.",
+        _ablation,
+        (r"figures/ablation_",),
+        group_by_task=False,
+    ),
+    Section(
+        "GSM8K pilot: accuracy per policy",
+        "The pilot's bar chart (full, random, evict_large_value, SnapKV and its variants, VaSE-AttnV, CurDKV / "
+        "VaSE-DKV; the `gsm8k_pilot` sweep); `accuracy_bars_*` for the other tasks.",
+        _pilot,
+        (r"figures/gsm8k_pilot_", r"figures/accuracy_bars_"),
+    ),
+    Section(
+        "Cache diversity",
+        "Mean Jaccard overlap of the kept sets across heads, layers and samples (lower = more diverse).",
+        _diversity,
+        (r"tables/diversity$", r"figures/cache_diversity$"),
+    ),
+)
+
+
+def load_manifest(report_dir: str | Path) -> dict:
+    """``report.json`` of a ``scripts/report.py`` output folder: the group and the logged media keys."""
+    from vase.analysis.report import MANIFEST
+
+    path = Path(report_dir) / MANIFEST
+    if not path.exists():
+        raise ValueError(f"--report: no {MANIFEST} in {report_dir}; run `python scripts/report.py RESULTS_DIR` first")
+    manifest = json.loads(path.read_text())
+    for kind in MEDIA_KINDS:
+        manifest.setdefault(kind, [])
+    return manifest
+
+
+def assign_media(manifest: dict | None, sections: Sequence[Section] = SECTIONS) -> list[dict[str, list[str]]]:
+    """Per section, the manifest's keys it shows (``{"tables": [...], "figures": [...], "charts": [...]}``).
+
+    Raises:
+        ValueError: a key that no section or two sections match (a new table or figure needs a section).
+    """
+    out = [{kind: [] for kind in MEDIA_KINDS} for _ in sections]
+    for kind in MEDIA_KINDS:
+        for key in (manifest or {}).get(kind, []):
+            hits = [i for i, s in enumerate(sections) if any(re.match(p, key) for p in s.media)]
+            if len(hits) != 1:
+                where = "no section" if not hits else f"sections {[sections[i].title for i in hits]}"
+                raise ValueError(f"dashboard: report key {key!r} matches {where}; extend dashboard.SECTIONS")
+            out[hits[0]][kind].append(key)
+    return out
+
+
+def _filters(group: str, summary: bool) -> list:
+    from wandb_workspaces import expr
+
+    job = expr.Metric("JobType") == "summary" if summary else expr.Metric("JobType") != "summary"
+    return [expr.Metric("Group") == group, job]
+
+
+def media_panels(wr: Any, media: dict[str, list[str]]) -> list:
+    """The summary run's tables and charts (``WeavePanelSummaryTable``) and figures (one ``MediaBrowser``)."""
+    panels = [wr.WeavePanelSummaryTable(table_name=k, layout=wr.Layout(w=24, h=10)) for k in media["tables"]]
+    panels += [wr.WeavePanelSummaryTable(table_name=k, layout=wr.Layout(w=12, h=10)) for k in media["charts"]]
+    if media["figures"]:
+        panels.append(wr.MediaBrowser(title="figures", media_keys=list(media["figures"]), num_columns=2))
+    return panels
+
+
+def _runsets(wr: Any, entity: str, project: str, group: str, section: Section) -> tuple[Any, Any]:
+    by = ([f"config.{TASK_KEY}"] if section.group_by_task else []) + [f"config.{POLICY_KEY}"]
+    runs = wr.Runset(entity=entity, project=project, name="sweep runs", filters=_filters(group, False), groupby=by)
+    summary = wr.Runset(entity=entity, project=project, name="report (summary run)", filters=_filters(group, True))
+    return runs, summary
+
+
+def build_report(
+    entity: str, project: str, group: str, manifest: dict | None = None, title: str | None = None
+) -> wr.Report:
+    """The dashboard as a W&B report: per :data:`SECTIONS` entry a heading, a paragraph, a panel grid over the sweep's
+    runs and, when ``manifest`` lists media for it, a panel grid over the report's summary run. Nothing is saved."""
+    import wandb_workspaces.reports.v2 as wr
+
+    _check_names(entity, project, group)
+    blocks: list = [
+        wr.P(
+            f"The paper's tables and figures for the sweep group `{group}`, built by `scripts/dashboard.py`. "
+            "Live panels read the sweep's runs; the report panels read its summary run (`scripts/report.py`)."
+        )
+    ]
+    for section, media in zip(SECTIONS, assign_media(manifest)):
+        runs, summary = _runsets(wr, entity, project, group, section)
+        blocks += [
+            wr.H1(section.title),
+            wr.P(section.text),
+            wr.PanelGrid(runsets=[runs], panels=section.run_panels(wr)),
+        ]
+        panels = media_panels(wr, media)
+        if panels:
+            blocks.append(wr.PanelGrid(runsets=[summary], panels=panels))
+    return wr.Report(
+        entity=entity,
+        project=project,
+        title=title or f"vase: paper figures, {group}"[:128],
+        description=f"Sweep group {group}: one section per paper table and figure.",
+        blocks=blocks,
+        width="fluid",
+    )
+
+
+def build_workspace(entity: str, project: str, group: str, manifest: dict | None = None) -> ws.Workspace:
+    """The dashboard as a saved W&B workspace view: one open section per :data:`SECTIONS` entry (its run panels,
+    then its report panels), the runs filtered to ``group`` and grouped by policy. Nothing is saved."""
+    import wandb_workspaces.reports.v2 as wr
+    import wandb_workspaces.workspaces as ws
+    from wandb_workspaces import expr
+
+    _check_names(entity, project, group)
+    sections = [
+        ws.Section(name=s.title, panels=s.run_panels(wr) + media_panels(wr, media), is_open=True)
+        for s, media in zip(SECTIONS, assign_media(manifest))
+    ]
+    return ws.Workspace(
+        entity=entity,
+        project=project,
+        name=f"vase paper figures: {group}",
+        sections=sections,
+        runset_settings=ws.RunsetSettings(filters=[expr.Metric("Group") == group], groupby=[expr.Config(POLICY_KEY)]),
+    )
+
+
+def _check_names(entity: str, project: str, group: str) -> None:
+    for name, value in (("--entity", entity), ("--project", project), ("--group", group)):
+        if not value or not isinstance(value, str):
+            raise ValueError(f"{name}: required (a W&B {name[2:]} name), got {value!r}")
+
+
+def outline(dashboard: Any) -> list[dict]:
+    """The structure of a built report or workspace, for printing and tests: per section its title, its runsets'
+    filters and its panels as ``{"type": ..., "binds": [...]}`` (the metric, config and media keys it reads)."""
+    sections: list[dict] = []
+    if hasattr(dashboard, "blocks"):
+        for block in dashboard.blocks:
+            kind = type(block).__name__
+            if kind == "H1":
+                sections.append({"title": block.text, "grids": []})
+            elif kind == "PanelGrid" and sections:
+                filters = [str(rs.filters) for rs in block.runsets]
+                sections[-1]["grids"].append({"filters": filters, "panels": [_binds(p) for p in block.panels]})
+    else:
+        for s in dashboard.sections:
+            filters = [str(dashboard.runset_settings.filters)]
+            sections.append({"title": s.name, "grids": [{"filters": filters, "panels": [_binds(p) for p in s.panels]}]})
+    return sections
+
+
+def _key(metric: Any) -> str:
+    kind = type(metric).__name__
+    prefix = {"SummaryMetric": "summary", "Config": "config", "Metric": "run"}.get(kind, kind)
+    return f"{prefix}:{metric.name}" if hasattr(metric, "name") else str(metric)
+
+
+def _binds(panel: Any) -> dict:
+    kind = type(panel).__name__
+    binds: list[str] = []
+    if kind == "BarPlot":
+        binds = [_key(m) for m in panel.metrics] + ([f"groupby:{_key(panel.groupby)}"] if panel.groupby else [])
+    elif kind == "ScatterPlot":
+        binds = [_key(m) for m in (panel.x, panel.y, panel.z) if m is not None]
+    elif kind == "ParallelCoordinatesPlot":
+        binds = [_key(c.metric) for c in panel.columns]
+    elif kind == "MediaBrowser":
+        binds = [f"media:{k}" for k in panel.media_keys]
+    elif kind == "WeavePanelSummaryTable":
+        binds = [f"media:{panel.table_name}"]
+    return {"type": kind, "title": getattr(panel, "title", None), "binds": binds}
+
+
+def publish(dashboard: Any) -> str:
+    """Save the report (or workspace) to W&B (needs ``wandb login`` and the network); return its URL."""
+    dashboard.save()
+    return str(dashboard.url)

@@ -1,0 +1,262 @@
+"""Loading a results tree: find the run directories, read what each run saved, one table of runs.
+
+Everything is read from what the runs saved — ``config.yaml``, ``protocol.json``, ``metrics.json``,
+``samples.jsonl``, ``batches.jsonl`` — never from directory names. ``samples.jsonl`` is the source of truth: a
+half-finished run (no ``metrics.json``, maybe a torn last line) is recomputed from it and marked incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from vase.analysis.labels import NOT_HYPERPARAMETERS, label_policies, policy_class_name
+from vase.run.results import BATCHES, SAMPLES, read_jsonl_tolerant, stable_hash
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_COLUMNS = (
+    "problem_id",
+    "sample",
+    "seed",
+    "correct",
+    "loop_class",
+    "output_tokens",
+    "compression_ratio",
+    "finish_reason",
+    "truncated",
+)
+BATCH_COLUMNS = (
+    "problem_id",
+    "prompt_tokens",
+    "output_tokens",
+    "prefill_seconds",
+    "decode_seconds",
+    "evictions",
+    "eviction_seconds",
+    "kv_cache_bytes",
+    "kv_cache_bytes_full",
+    "peak_memory_bytes",
+    "attended_tokens",
+    "held_tokens",
+)
+_PER_RUN_PROTOCOL_KEYS = ("policy", "budget", "window", "seed", "n_samples")
+
+
+@dataclass
+class Tree:
+    """A loaded results tree.
+
+    Attributes:
+        root: the directory that was walked.
+        runs: one row per run directory: ``run_id``, ``run_dir``, ``model``, ``task``, ``policy_name``,
+            ``policy_kind``, ``params`` (JSON of the hyper-parameters), ``budget``, ``window``, ``ratio``, ``seed``,
+            ``group`` (``logger.group``), ``complete``, ``source`` and, after :func:`label_policies`, ``policy``,
+            ``method`` and ``op``.
+        samples: one row per sample (``run_id`` + :data:`SAMPLE_COLUMNS`, ``answered``).
+        batches: one row per decoded batch (``run_id`` + :data:`BATCH_COLUMNS`, ``rows``).
+        metrics: run_id -> the run's ``metrics.json`` (absent for half-finished runs).
+        skipped: run directories that could not be read, with the reason.
+    """
+
+    root: Path
+    runs: pd.DataFrame
+    samples: pd.DataFrame
+    batches: pd.DataFrame
+    metrics: dict[int, dict] = field(default_factory=dict)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+def find_run_dirs(root: str | Path) -> list[Path]:
+    """Every directory under ``root`` (itself included) holding ``metrics.json`` or ``samples.jsonl``, sorted.
+
+    Hidden directories (``.hydra``) and W&B directories are not entered.
+    """
+    root = Path(root)
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "wandb")
+        if "metrics.json" in filenames or SAMPLES in filenames:
+            found.append(Path(dirpath))
+    return sorted(found)
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        logger.warning("%s: unreadable JSON (%s); ignored", path, err)
+        return None
+
+
+def _read_config(run_dir: Path) -> dict:
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        return {}
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _get(d: dict | None, dotted: str, default: Any = None) -> Any:
+    cur: Any = d
+    for part in dotted.split("."):
+        if not isinstance(cur, dict) or part not in cur:
+            return default
+        cur = cur[part]
+    return cur
+
+
+def _policy_info(config: dict, protocol: dict | None, metrics: dict | None) -> tuple[str, str, dict, str | None]:
+    """``(name, kind, hyper-parameters, _target_)`` of a run's policy, from its saved files."""
+    pol_cfg = dict(config.get("policy") or {})
+    pol_proto = dict(_get(protocol, "policy") or {})
+    target = pol_cfg.get("_target_")
+    name = (metrics or {}).get("policy") or pol_proto.get("name")
+    if not name and target:
+        name = policy_class_name(target) or target.rsplit(".", 1)[-1].lower()
+    kind = pol_proto.get("kind")
+    if kind is None:
+        kind = "none" if name == "full" or (target or "").endswith("FullCache") else "eviction"
+    params = {k: v for k, v in (pol_cfg or pol_proto).items() if k not in NOT_HYPERPARAMETERS}
+    if kind == "none":
+        params = {}
+    return str(name or "unknown"), str(kind), params, target
+
+
+def _frame(rows: list[dict], columns: Sequence[str], run_id: int) -> pd.DataFrame:
+    df = pd.DataFrame([{c: r.get(c) for c in columns} for r in rows], columns=list(columns))
+    df.insert(0, "run_id", run_id)
+    return df
+
+
+def load_run(run_dir: str | Path, run_id: int = 0) -> tuple[dict, pd.DataFrame, pd.DataFrame, dict | None]:
+    """Read one run directory.
+
+    Returns:
+        ``(run, samples, batches, metrics)``: ``run`` is the run's row of :attr:`Tree.runs`; ``samples`` and
+        ``batches`` its rows (deduplicated on ``(problem_id, sample)``); ``metrics`` its ``metrics.json`` or None.
+    """
+    run_dir = Path(run_dir)
+    config = _read_config(run_dir)
+    protocol = _read_json(run_dir / "protocol.json")
+    metrics = _read_json(run_dir / "metrics.json")
+    sample_rows = read_jsonl_tolerant(run_dir / SAMPLES)
+    batch_rows = read_jsonl_tolerant(run_dir / BATCHES)
+    samples = _frame(sample_rows, SAMPLE_COLUMNS, run_id)
+    samples["answered"] = [r.get("extracted") is not None for r in sample_rows]
+    samples = samples.drop_duplicates(subset=["problem_id", "sample"], keep="first")
+    batches = _frame(batch_rows, BATCH_COLUMNS, run_id)
+    batches["rows"] = [len(r.get("samples") or []) or 1 for r in batch_rows]
+
+    name, kind, params, target = _policy_info(config, protocol, metrics)
+    m = metrics or {}
+    n = len(samples)
+    complete = bool(m.get("complete")) and (not sample_rows or m.get("samples") == n)
+    if metrics is not None and sample_rows and m.get("samples") != n:
+        logger.warning(
+            "%s: metrics.json counts %s samples but samples.jsonl has %d (resumed?); recomputing",
+            run_dir,
+            m.get("samples"),
+            n,
+        )
+    run = {
+        "run_id": run_id,
+        "run_dir": str(run_dir),
+        "ratio_derived": _ratio_derived(config, metrics),
+        "model": _get(config, "model.key") or m.get("model") or _get(protocol, "model.key") or "unknown",
+        "task": _get(config, "task.name") or m.get("task") or _get(protocol, "task.name") or "unknown",
+        "policy_name": name,
+        "policy_kind": kind,
+        "policy_target": target,
+        "params": json.dumps(params, sort_keys=True, default=str),
+        "budget": config.get("budget", m.get("budget", _get(protocol, "budget"))),
+        "window": config.get("window", m.get("window", _get(protocol, "window"))),
+        "ratio": config.get("ratio", m.get("ratio")),
+        "seed": config.get("seed", _get(protocol, "seed")),
+        "group": _get(config, "logger.group"),
+        "setting": stable_hash({k: v for k, v in (protocol or {}).items() if k not in _PER_RUN_PROTOCOL_KEYS}),
+        "complete": complete,
+        "source": SAMPLES if sample_rows else ("metrics.json" if metrics is not None else "none"),
+        "problems": int(samples["problem_id"].nunique()) if n else int(m.get("problems") or 0),
+        "samples": n if n else int(m.get("samples") or 0),
+    }
+    return run, samples, batches, metrics
+
+
+def resolve_budget(reference_tokens: int, ratio: float, window: int) -> int:
+    """The runner's rule (:func:`~vase.run.runner.resolve_budget`): ``reference / ratio`` rounded to the window."""
+    return max(2, round(reference_tokens / ratio / window)) * window
+
+
+def _ratio_derived(config: dict, metrics: dict | None = None) -> bool:
+    """Whether the run's budget came from ``ratio`` (not an explicit ``budget=``).
+
+    A run that records ``budget_source`` (``"ratio"`` or ``"explicit"``, in ``config.yaml`` or ``metrics.json``) says
+    so. Otherwise it is judged from the saved config: the budget equals the runner's rule applied to the task's
+    reference length and ``ratio`` (an explicit budget that happens to equal it is then taken for a ratio one).
+    """
+    source = config.get("budget_source") or (metrics or {}).get("budget_source")
+    if source in ("ratio", "explicit"):
+        return source == "ratio"
+    refs = _get(config, "task.reference_output_tokens") or {}
+    key = _get(config, "model.key")
+    ref = refs.get(key, refs.get("default")) if isinstance(refs, dict) else None
+    budget, ratio, window = config.get("budget"), config.get("ratio"), config.get("window")
+    if not ref or not budget or not ratio or not window:
+        return False
+    try:
+        return resolve_budget(int(ref), float(ratio), int(window)) == int(budget)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return False
+
+
+def load_tree(root: str | Path) -> Tree:
+    """Load every run under ``root`` (see :func:`find_run_dirs`) and label the policies (:func:`label_policies`)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ValueError(f"results_dir: no such directory: {root}")
+    runs, samples, batches, metrics, skipped = [], [], [], {}, []
+    for run_dir in find_run_dirs(root):
+        try:
+            run, s, b, m = load_run(run_dir, run_id=len(runs))
+        except (ValueError, OSError, yaml.YAMLError) as err:
+            logger.warning("skipping %s: %s", run_dir, err)
+            skipped.append((str(run_dir), str(err)))
+            continue
+        if run["source"] == "none":
+            skipped.append((str(run_dir), "no samples and no metrics"))
+            continue
+        if not run["complete"]:
+            logger.warning(
+                "%s: incomplete run (%d problems, %d samples so far); marked with †",
+                run_dir,
+                run["problems"],
+                run["samples"],
+            )
+        runs.append(run)
+        samples.append(s)
+        batches.append(b)
+        if m is not None:
+            metrics[run["run_id"]] = m
+    if not runs:
+        raise ValueError(f"results_dir: no runs (metrics.json or samples.jsonl) under {root}")
+    tree = Tree(
+        root=root,
+        runs=pd.DataFrame(runs),
+        samples=pd.concat(samples, ignore_index=True),
+        batches=pd.concat(batches, ignore_index=True),
+        metrics=metrics,
+        skipped=skipped,
+    )
+    label_policies(tree.runs)
+    logger.info("loaded %d runs (%d samples) from %s", len(runs), len(tree.samples), root)
+    return tree
