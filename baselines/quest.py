@@ -105,8 +105,10 @@ class Quest(SelectionPolicy):
         complete = torch.arange(n_complete, device=bound.device)[None, :] < cur[:, None]  # (B, P)
         bound = bound.masked_fill(~complete[:, None, :], float("-inf"))
         top = bound.topk(min(n_pages, n_complete), dim=-1).indices  # (B, H, k)
-        pages = torch.zeros((b, h, n_complete + 1), dtype=torch.bool, device=bound.device)
+        n_total = max(n_complete + 1, -(-inputs.length // ps))  # pages spanning the keys handed in
+        pages = torch.zeros((b, h, n_total), dtype=torch.bool, device=bound.device)
         pages.scatter_(-1, top, True)
         pages[..., :n_complete] &= complete[:, None, :]
+        pages[..., n_complete + 1 :] = False
         pages.scatter_(-1, cur.view(b, 1, 1).expand(b, h, 1), True)
         return pages.repeat_interleave(ps, dim=-1)[..., : inputs.length]
