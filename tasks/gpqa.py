@@ -5,9 +5,9 @@ instruction, and ``answer`` is the gold letter; it is used as is by default (as 
 ``../shared/data`` copy the gold letter is ``A`` for every question; ``shuffle_choices: true`` re-shuffles the four
 options of each question deterministically (seeded by ``seed`` and the problem id) and remaps the gold letter.
 
-Hub data (``Idavidrein/gpqa``, config ``gpqa_diamond``, gated: needs an accepted licence and a token): the correct
-and three incorrect answers are always shuffled deterministically per problem id (``Record ID``) and written in the
-same layout as the local file.
+Hub data (``Idavidrein/gpqa``, config ``gpqa_diamond``, gated: accept its terms on the dataset page and set
+``HF_TOKEN``): the correct and three incorrect answers are always shuffled deterministically per problem id
+(``Record ID``) and written in the same layout as the local file.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ LETTERS = "ABCD"
 GPQA_INSTRUCTION = (
     "Please reason step-by-step and put your choice letter without any other text with \\boxed{} in the end."
 )
-# Pinned hub revision; "main" because the commit sha could not be looked up offline.
-GPQA_REVISION = "main"
+# Pinned hub revision: the commit sha that other public evaluation code pins (docs/reproducibility.md).
+GPQA_REVISION = "633f5ee89ab8ad4522a9f850766b73f62147ffdd"
 
 _OPTION_RE = re.compile(r"^([A-D])\. (.*)$")
 
@@ -74,6 +74,7 @@ class GPQADiamond(Task):
     shuffle_choices: bool = False
     seed: int = 0
     local_file: ClassVar[str] = "gpqa_diamond.jsonl"
+    pins: ClassVar[dict[str, str]] = {"": GPQA_REVISION}
 
     def problem_from_row(self, row: dict, index: int) -> Problem:
         """Local row: ``id``, ``question`` (formatted), ``answer`` (letter)."""
@@ -97,11 +98,13 @@ class GPQADiamond(Task):
 
     def load_hub(self) -> list[Problem]:
         """Config ``gpqa_diamond``, split ``train`` (its only split)."""
-        return self.hub_rows("Idavidrein/gpqa", "gpqa_diamond", "train", GPQA_REVISION, self.hub_problem)
+        return self.hub_rows("Idavidrein/gpqa", "gpqa_diamond", "train", self.revision_of(), self.hub_problem)
 
     def hub_sources(self) -> list[dict]:
         """``Idavidrein/gpqa``, config ``gpqa_diamond``, split ``train`` (gated)."""
-        return [{"dataset": "Idavidrein/gpqa", "config": "gpqa_diamond", "split": "train", "revision": GPQA_REVISION}]
+        return [
+            {"dataset": "Idavidrein/gpqa", "config": "gpqa_diamond", "split": "train", "revision": self.revision_of()}
+        ]
 
     def describe(self) -> dict:
         """Source plus the shuffling settings."""

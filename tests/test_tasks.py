@@ -115,7 +115,12 @@ def test_describe_names_the_data_source() -> None:
     local = MATH500(data_dir=str(FIXTURES)).describe()
     assert local["file"] == "math500.jsonl" and len(local["sha256"]) == 64
     assert MATH500().describe()["hub"] == [
-        {"dataset": "HuggingFaceH4/MATH-500", "config": None, "split": "test", "revision": "main"}
+        {
+            "dataset": "HuggingFaceH4/MATH-500",
+            "config": None,
+            "split": "test",
+            "revision": "6e4ed1a2a79af7d8630a6b768ec859cb5af4d3be",
+        }
     ]
     assert [h["dataset"] for h in AIME().describe()["hub"]] == ["math-ai/aime25", "math-ai/aime26"]
     assert [h["dataset"] for h in HMMT25().describe()["hub"]] == ["MathArena/hmmt_feb_2025", "MathArena/hmmt_nov_2025"]
