@@ -33,6 +33,7 @@ from vase.run.results import (
     SAMPLES,
     append_jsonl,
     check_protocol,
+    check_resolved,
     device_info,
     git_sha,
     library_versions,
@@ -207,6 +208,7 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     done = {(r["problem_id"], r["sample"]) for r in done_rows}
 
     problems = prep.task.load()
+    check_resolved(run_dir, {"data": prep.task.resolved_sources()})  # refuse a resume on changed data
     todo = [(p, [i for i in range(prep.n_samples) if (p.id, i) not in done]) for p in problems]
     todo = [(p, missing) for p, missing in todo if missing]
     logger.info(
@@ -242,6 +244,7 @@ def _decode(prep: Prepared, todo, done_rows, run_dir: Path, run_logger, progress
     from tqdm import tqdm
 
     cfg = prep.cfg
+    check_resolved(run_dir, {"model": prep.model_spec.resolve()})  # refuse a resume on changed weights
     t_load = time.perf_counter()
     model, tokenizer = prep.model_spec.load()
     logger.info("model %s loaded in %.1f s", prep.model_spec.name, time.perf_counter() - t_load)
@@ -256,6 +259,7 @@ def _decode(prep: Prepared, todo, done_rows, run_dir: Path, run_logger, progress
             "model": {
                 "name": prep.model_spec.name,
                 "revision": prep.model_spec.revision,
+                "resolved": prep.model_spec.resolve(),
                 "dtype": str(next(model.parameters()).dtype),
                 "attn_backend": cfg.generation.attn_backend,
             },
