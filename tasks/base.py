@@ -9,21 +9,37 @@ defines the problem set (e.g. the first 500 GSM8K test problems), and shard ``i`
 problem of that set starting at ``i`` (round-robin, so shards get a similar mix of easy and hard problems). The union
 of all shards is therefore exactly the unsharded set, whatever ``num_shards`` is.
 
-Loading from the Hugging Face hub uses pinned revisions. Offline (``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1``)
-or when the hub is unreachable, :meth:`Task.load` raises one ``ValueError`` that names the dataset and says how to
-point ``task.data_dir`` at a local copy in the ``../shared/data`` schema.
+Loading from the Hugging Face hub uses pinned revisions: each task's ``pins`` (commit shas, see
+``docs/reproducibility.md``), overridden by ``task.revision`` (a sha, or for a task that loads several datasets a
+mapping part -> sha, e.g. ``task.revision.feb=<sha>``). After :meth:`Task.load`, :meth:`Task.resolved_sources` says
+exactly what was loaded: the commit each hub dataset resolved to (read from the download, not the requested string),
+or the sha256 of each local file. Offline (``HF_DATASETS_OFFLINE=1`` / ``HF_HUB_OFFLINE=1``), when the hub is
+unreachable (probed once per process, :func:`vase.hub.ensure_hub_mode`), gated or the revision is missing,
+:meth:`Task.load` raises one ``ValueError`` that names the dataset and says what to do (accept the terms and set
+``HF_TOKEN``; or point ``task.data_dir`` at a local copy in the ``../shared/data`` schema).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
+
+from vase.hub import (
+    ensure_hub_mode,
+    hf_offline,
+    hub_error,
+    is_commit_sha,
+    revision_text,
+    sha256_file,
+    single_log_lines,
+)
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +82,20 @@ class Grade:
     detail: str = ""
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Rows of a JSON-lines file (blank lines skipped)."""
-    rows = []
+def iter_jsonl(path: str | Path) -> Iterator[dict]:
+    """Rows of a JSON-lines file, one at a time (blank lines skipped): memory holds one row, not the file."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    yield json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"{path}:{lineno}: invalid JSON ({exc})") from None
-    return rows
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Rows of a JSON-lines file (blank lines skipped)."""
+    return list(iter_jsonl(path))
 
 
 @dataclass
@@ -96,6 +115,9 @@ class Task:
         thinking: whether the model thinks (Qwen3 ``enable_thinking``); also the default of :meth:`grade`.
         window: recent-window override for the runner (``window: ${oc.select:task.window,64}``); ``None`` keeps the
             global default (the paper's 64). The short offline stand-ins set a smaller one.
+        revision: hub revision; ``None`` takes the pins (:attr:`pins`). A commit sha (or branch/tag) for a task that
+            loads one dataset; for one that loads several, a mapping part -> revision (missing parts keep their pin).
+            Not used with ``data_dir``.
     """
 
     name: str = ""
@@ -108,9 +130,13 @@ class Task:
     reference_output_tokens: dict[str, int] = field(default_factory=dict)
     thinking: bool = True
     window: int | None = None
+    revision: Any = None
 
     #: file name of the task in ``data_dir``
     local_file: ClassVar[str | None] = None
+    #: the hub datasets' pinned revisions, by part: ``{"": sha}`` for a task that loads one dataset,
+    #: ``{"feb": sha, "nov": sha}`` for one that loads several; empty for a task that loads nothing from the hub
+    pins: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -140,6 +166,41 @@ class Task:
                 raise ValueError(
                     f"task.data_dir: no such directory: {self.data_dir} (absolute: {Path(self.data_dir).resolve()})"
                 )
+        self.revision = self._checked_revision(self.revision)
+        self._resolved: list[dict] = []
+        self._loaded = False
+
+    def _checked_revision(self, rev: Any) -> str | dict[str, str] | None:
+        """``task.revision`` validated and completed with the pins."""
+        if not self.pins:
+            if rev is not None:
+                raise ValueError(f"task.revision: task {self.name} loads nothing from the hub; leave it null")
+            return None
+        if set(self.pins) == {""}:
+            return self.pins[""] if rev is None else revision_text(rev, "task.revision")
+        parts = ", ".join(self.pins)
+        if rev is None:
+            return dict(self.pins)
+        if not isinstance(rev, Mapping):
+            first = next(iter(self.pins))
+            raise ValueError(
+                f"task.revision: task {self.name} loads {len(self.pins)} hub datasets; set one revision per part, "
+                f"e.g. task.revision.{first}=<sha> (parts: {parts}), got {rev!r}"
+            )
+        out = dict(self.pins)
+        for key, value in rev.items():
+            if str(key) not in self.pins:
+                raise ValueError(f"task.revision.{key}: unknown part of task {self.name}; parts: {parts}")
+            out[str(key)] = revision_text(value, f"task.revision.{key}")
+        return out
+
+    def revision_of(self, part: str = "") -> str:
+        """The revision to load for ``part`` (``""`` for a task that loads one dataset)."""
+        if isinstance(self.revision, Mapping):
+            return self.revision[part]
+        if self.revision is None:
+            raise ValueError(f"task.revision: task {self.name} loads nothing from the hub")
+        return self.revision
 
     # ---------------------------------------------------------------------------------------------------- loading
 
@@ -149,29 +210,62 @@ class Task:
 
     def describe(self) -> dict:
         """Where the problems come from, for the run manifest: the local file and its sha256 when ``data_dir`` is
-        set, else the pinned hub datasets."""
+        set, else the pinned hub datasets; after :meth:`load` also ``resolved`` (:meth:`resolved_sources`)."""
         out: dict[str, Any] = {"name": self.name, "task_class": f"{type(self).__module__}.{type(self).__qualname__}"}
         if self.data_dir is not None:
             out["data_dir"] = str(Path(self.data_dir).resolve())
             if self.local_file and (Path(self.data_dir) / self.local_file).is_file():
                 path = Path(self.data_dir) / self.local_file
                 out["file"] = self.local_file
-                out["sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+                out["sha256"] = sha256_file(path)
         else:
             out["hub"] = self.hub_sources()
+        if self._loaded:
+            out["resolved"] = self.resolved_sources()
         return out
+
+    def resolved_sources(self) -> list[dict]:
+        """What :meth:`load` actually read, for the manifest and the resume check.
+
+        One dict per source: a hub dataset ``{"dataset", "config", "split", "revision", "sha"}`` (``revision`` as
+        requested, ``sha`` the commit it resolved to, read from the download; ``None`` if it could not be read), a
+        local file ``{"file", "sha256"}`` (its name in ``data_dir``, so a moved copy still matches), or a generator's
+        parameters and the sha256 of the problems it produced. Independent of ``limit`` and sharding.
+        """
+        if not self._loaded:
+            raise RuntimeError(f"task {self.name}: resolved_sources() is known after load()")
+        return [dict(src) for src in self._resolved]
 
     def load(self) -> list[Problem]:
         """The problems of this shard, in a deterministic order (``limit`` first, then round-robin sharding)."""
-        problems = self.load_all()
+        self._resolved, self._loaded = [], False
+        problems = list(self.select(self.load_all(), key=lambda p: p.id))
+        self._loaded = True
+        return problems
+
+    def select(self, items: Iterable[T], key: Callable[[T], str]) -> Iterator[T]:
+        """This shard's items, lazily: of the first ``limit`` of ``items`` (nothing after them is read), every
+        ``num_shards``-th from ``shard``. Duplicate ids (``key``) within the limited set are an error."""
         seen: set[str] = set()
-        for p in problems:
-            if p.id in seen:
-                raise ValueError(f"task {self.name}: duplicate problem id {p.id!r}")
-            seen.add(p.id)
-        if self.limit is not None:
-            problems = problems[: self.limit]
-        return problems[self.shard :: self.num_shards]
+        for k, item in enumerate(items):
+            if self.limit is not None and k >= self.limit:
+                break
+            ident = key(item)
+            if ident in seen:
+                raise ValueError(f"task {self.name}: duplicate problem id {ident!r}")
+            seen.add(ident)
+            if k % self.num_shards == self.shard:
+                yield item
+
+    def record_source(self, source: Mapping[str, Any]) -> None:
+        """Note a source read by :meth:`load` (see :meth:`resolved_sources`); repeated sources are kept once."""
+        entry = dict(source)
+        if entry not in self._resolved:
+            self._resolved.append(entry)
+
+    def record_file(self, path: Path, name: str | None = None) -> None:
+        """Note a local file read by :meth:`load`, with the sha256 of its content."""
+        self.record_source({"file": name or path.name, "sha256": sha256_file(path)})
 
     def load_all(self) -> list[Problem]:
         """Every problem of the task in the dataset's order, from ``data_dir`` if set, else from the hub."""
@@ -189,7 +283,9 @@ class Task:
 
     def load_local(self, data_dir: Path) -> list[Problem]:
         """Problems from the local JSONL file in ``data_dir``."""
-        return [self.problem_from_row(row, i) for i, row in enumerate(read_jsonl(self.local_path(data_dir)))]
+        path = self.local_path(data_dir)
+        self.record_file(path)
+        return [self.problem_from_row(row, i) for i, row in enumerate(read_jsonl(path))]
 
     def load_hub(self) -> list[Problem]:
         """Problems from the Hugging Face hub (pinned revision)."""
@@ -200,10 +296,21 @@ class Task:
         raise NotImplementedError
 
     def hub_rows(
-        self, dataset: str, config: str | None, split: str, revision: str, map_fn: Callable[[dict, int], Problem]
-    ) -> list[Problem]:
-        """Load ``dataset`` through :func:`datasets.load_dataset` and map its rows; one clear error if unreachable."""
-        rows = load_hub_dataset(self.name, dataset, config, split, revision)
+        self,
+        dataset: str,
+        config: str | None,
+        split: str,
+        revision: str,
+        map_fn: Callable[[dict, int], T],
+        part: str = "",
+    ) -> list[T]:
+        """Load ``dataset`` at ``revision`` (:func:`load_hub_dataset`), record the commit it resolved to, map its rows.
+
+        ``part`` names the revision's key for a task that loads several datasets (for the hint to pin it).
+        """
+        rows, sha = load_hub_dataset(self.name, dataset, config, split, revision)
+        warn_unpinned(self.name, dataset, revision, "task.revision" + (f".{part}" if part else ""), sha)
+        self.record_source({"dataset": dataset, "config": config, "split": split, "revision": revision, "sha": sha})
         return [map_fn(row, i) for i, row in enumerate(rows)]
 
     # ---------------------------------------------------------------------------------------------------- prompting
@@ -247,11 +354,23 @@ class Task:
         raise ValueError(f"task.reference_output_tokens: no entry for {model!r} and no 'default'")
 
 
-def hf_offline() -> bool:
-    """Whether ``HF_DATASETS_OFFLINE`` or ``HF_HUB_OFFLINE`` is set to a true value."""
-    return any(
-        os.environ.get(k, "").strip().upper() in ("1", "ON", "YES", "TRUE")
-        for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+_warned_unpinned: set[tuple[str, str]] = set()
+
+
+def warn_unpinned(task: str, dataset: str, revision: str, setting: str, sha: str | None) -> None:
+    """Warn once per dataset and revision when ``revision`` is a branch or tag rather than a commit sha."""
+    if is_commit_sha(revision) or (dataset, revision) in _warned_unpinned:
+        return
+    _warned_unpinned.add((dataset, revision))
+    logger.warning(
+        "task %s: %s is not pinned (revision %r resolved to %s, recorded in the run's resolved.json); pin it with "
+        "%s=%s (docs/reproducibility.md)",
+        task,
+        dataset,
+        revision,
+        sha,
+        setting,
+        sha or "<sha>",
     )
 
 
@@ -263,34 +382,72 @@ def hub_cached(dataset: str) -> bool:
     return (hub / f"datasets--{dataset.replace('/', '--')}").exists() or (ds / dataset.replace("/", "___")).exists()
 
 
-def _unreachable(task: str, what: str, reason: str) -> ValueError:
-    return ValueError(f"task {task}: cannot load dataset {what} (offline or unreachable: {reason}); {LOCAL_DATA_HINT}")
+def _offline_error(subject: str, reason: str) -> ValueError:
+    return ValueError(f"{subject} (offline or unreachable: {reason}, and it is not in the cache); {LOCAL_DATA_HINT}")
 
 
-def load_hub_dataset(task: str, dataset: str, config: str | None, split: str, revision: str) -> Iterable[dict]:
-    """``datasets.load_dataset`` with one clear ``ValueError`` when the dataset cannot be reached.
+def load_hub_dataset(
+    task: str, dataset: str, config: str | None, split: str, revision: str
+) -> tuple[Iterable[dict], str | None]:
+    """``(rows, commit)`` of a hub dataset at ``revision``, with one clear ``ValueError`` on failure.
 
-    With the offline flags set and nothing of the dataset in the caches, it fails at once, without importing
-    ``datasets`` (which alone takes about a second).
+    Goes through ``datasets.load_dataset_builder`` + ``download_and_prepare`` + ``as_dataset`` (what
+    ``datasets.load_dataset`` does) so that the commit the builder resolved (``builder.hash``: the snapshot of the
+    dataset card, or offline the cached copy's commit) is known; a copy whose commit differs from a pinned sha is
+    refused. Offline or with the hub unreachable and nothing of the dataset cached, it fails at once, without
+    importing ``datasets``.
     """
     what = dataset + (f"/{config}" if config else "")
-    if hf_offline() and not hub_cached(dataset):
-        raise _unreachable(task, what, "offline mode is on and it is not in the cache")
+    subject = f"task {task}: cannot load dataset {what}"
+    offline = ensure_hub_mode()
+    if offline and not hub_cached(dataset):
+        raise _offline_error(subject, offline)
     try:
         import datasets
 
-        return datasets.load_dataset(dataset, config, split=split, revision=revision)
-    except Exception as exc:  # ConnectionError offline, FileNotFoundError / DatasetNotFoundError, gated access...
-        raise _unreachable(task, what, f"{type(exc).__name__}: {str(exc)[:200]}") from None
+        single_log_lines()
+        builder = datasets.load_dataset_builder(dataset, config, revision=revision)
+        builder.download_and_prepare()
+        rows = builder.as_dataset(split=split)
+    except Exception as exc:  # ConnectionError offline, DatasetNotFoundError, gated access, missing revision...
+        raise hub_error(exc, subject, dataset, "dataset", revision, "task.revision", LOCAL_DATA_HINT) from None
+    sha = getattr(builder, "hash", None)
+    sha = sha if is_commit_sha(sha) else None
+    if is_commit_sha(revision) and sha is not None and sha != revision:
+        raise ValueError(
+            f"task {task}: dataset {what} loaded commit {sha}, not the pinned {revision} (offline, `datasets` uses the "
+            f"latest cached copy); run once with the hub reachable to cache the pinned one, or set task.revision"
+        )
+    return rows, sha
 
 
 def hub_file(task: str, dataset: str, filename: str, revision: str) -> Path:
-    """Download (or find in the cache) one file of a hub dataset repository; one clear error if unreachable."""
-    if hf_offline() and not hub_cached(dataset):
-        raise _unreachable(task, f"{dataset} file {filename}", "offline mode is on and it is not in the cache")
+    """Download (or find in the cache) one file of a hub dataset repository; one clear error on failure.
+
+    The file's commit is :func:`vase.hub.snapshot_sha` of the returned path.
+    """
+    subject = f"task {task}: cannot load dataset {dataset} file {filename}"
+    offline = ensure_hub_mode()
+    if offline and not hub_cached(dataset):
+        raise _offline_error(subject, offline)
     try:
         from huggingface_hub import hf_hub_download
 
         return Path(hf_hub_download(dataset, filename, repo_type="dataset", revision=revision))
     except Exception as exc:
-        raise _unreachable(task, f"{dataset} file {filename}", f"{type(exc).__name__}: {str(exc)[:200]}") from None
+        raise hub_error(exc, subject, dataset, "dataset", revision, "task.revision", LOCAL_DATA_HINT) from None
+
+
+__all__ = [
+    "LOCAL_DATA_HINT",
+    "Grade",
+    "Problem",
+    "Task",
+    "hf_offline",
+    "hub_cached",
+    "hub_file",
+    "iter_jsonl",
+    "load_hub_dataset",
+    "read_jsonl",
+    "warn_unpinned",
+]

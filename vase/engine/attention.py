@@ -45,9 +45,7 @@ def flash_attn_available() -> bool:
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Resolve ``"auto"``: FlashAttention-2 on CUDA when ``flash_attn`` is importable, SDPA otherwise."""
     if backend not in BACKENDS:
-        raise ValueError(
-            f"generation.attn_backend: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}"
-        )
+        raise ValueError(f"generation.attn_backend: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if backend == "auto":
         return "flash_attn" if device.type == "cuda" and flash_attn_available() else "sdpa"
     if backend == "flash_attn":

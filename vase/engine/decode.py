@@ -419,7 +419,7 @@ class Decoder:
                 position_ids=cache.pos_t[:n].view(n, 1),
                 cache=cache,
                 use_cache=True,
-                    vase_cache=cache,
+                vase_cache=cache,
             ).logits[:, -1]
             cache.advance()
             self.step += 1

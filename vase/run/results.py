@@ -7,6 +7,8 @@ A run directory holds:
   samples, budget); a rerun with a different protocol in the same directory is refused;
 * ``manifest.json`` — git SHA, library versions, device, model and dataset revisions, prompt template, sampling,
   seed;
+* ``resolved.json`` — what was actually loaded: the commit every hub dataset and model resolved to, the sha256 of
+  every local data file (:func:`check_resolved`); a resumed run whose data or weights changed is refused;
 * ``samples.jsonl`` — one line per finished sample, appended and flushed (fsync) as each sample finishes;
 * ``throughput.jsonl`` — one line per stretch of decoding (wall times, tokens, rows in flight, memory);
 * ``metrics.json`` — written at the end (and rewritten by a resumed run); see :mod:`vase.run.records`.
@@ -164,3 +166,77 @@ def peak_memory_bytes(device) -> int:
     import resource
 
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+RESOLVED = "resolved.json"
+
+
+def _source_key(src: Mapping) -> str:
+    """A stable name for one resolved source: ``dataset:<id>[:<config>][:<split>]``, ``file:<name>``, ..."""
+    for key in ("dataset", "file", "dir", "generator"):
+        if key in src:
+            extra = [str(src[k]) for k in ("config", "split", "release") if src.get(k) is not None]
+            return ":".join([key, str(src[key]), *extra])
+    return stable_hash(src, 12)
+
+
+def _keyed(value: Any) -> Any:
+    """Lists of sources as mappings keyed by :func:`_source_key` (so a difference names its source)."""
+    if isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value):
+        return {_source_key(v): _keyed(dict(v)) for v in value}
+    if isinstance(value, Mapping):
+        return {str(k): _keyed(v) for k, v in value.items()}
+    return value
+
+
+def _compare(old: Any, new: Any, name: str, diffs: list[str]) -> Any:
+    """Append ``name: old -> new`` for each difference; return the merged value to store.
+
+    A ``files`` mapping (hashes of files read on demand, which depend on ``limit``) is compared on the files both
+    sides have and stored as their union; anything else must be equal.
+    """
+    if not (isinstance(old, Mapping) and isinstance(new, Mapping)):
+        if old != new:
+            diffs.append(f"{name}: {old!r} -> {new!r}")
+        return new
+    merged = {}
+    for key in sorted(set(old) | set(new)):
+        sub = f"{name}.{key}"
+        a, b = old.get(key, "<unset>"), new.get(key, "<unset>")
+        if key == "files" and isinstance(a, Mapping) and isinstance(b, Mapping):
+            diffs += [f"{sub}.{f}: {a[f]!r} -> {b[f]!r}" for f in sorted(set(a) & set(b)) if a[f] != b[f]]
+            merged[key] = {**a, **b}
+        else:
+            merged[key] = _compare(a, b, sub, diffs)
+    return merged
+
+
+def check_resolved(run_dir: Path, resolved: Mapping[str, Any], write: bool = True) -> dict:
+    """Refuse to continue a run whose data or weights changed; record what this run loaded.
+
+    ``resolved`` holds some top-level entries, e.g. ``{"data": task.resolved_sources()}`` right after the problems
+    load and ``{"model": model_spec.resolve()}`` before the weights load. Each entry is compared with the one stored
+    in ``run_dir/resolved.json`` by an earlier run of the directory (an entry not stored yet is just stored): a
+    changed commit or content hash is a one-line ``ValueError`` naming every difference, like a changed protocol.
+    Lists of sources are stored keyed by source (``dataset:<id>:<split>``, ``file:<name>``); in a ``files`` mapping
+    only the files both runs read are compared, and the union is kept.
+
+    With ``write=False`` nothing is written (the check before a new run's directory exists).
+
+    Returns the content of ``resolved.json`` after the update.
+    """
+    path = run_dir / RESOLVED
+    stored = json.loads(path.read_text()) if path.exists() else {}
+    new = _keyed(json.loads(json.dumps(dict(resolved), default=str)))
+    diffs: list[str] = []
+    updated = dict(stored)
+    for key, value in new.items():
+        updated[key] = value if key not in stored else _compare(stored[key], value, key, diffs)
+    if diffs:
+        raise ValueError(
+            f"run_dir {run_dir} holds a run made from other data or weights ({'; '.join(diffs)}); resume with the "
+            "original revisions and files, or set run_dir= / results_dir= for a new run"
+        )
+    if write and (updated != stored or not path.exists()):
+        write_json(path, updated)
+    return updated

@@ -38,6 +38,7 @@ from vase.run.results import (
     THROUGHPUT,
     append_jsonl,
     check_protocol,
+    check_resolved,
     device_info,
     git_sha,
     library_versions,
@@ -233,6 +234,8 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     prep = prepare(cfg)
     run_dir = prep.run_dir
     problems = prep.task.load()  # a missing data file fails here, before anything is written
+    data = {"data": prep.task.resolved_sources()}
+    check_resolved(run_dir, data, write=False)  # refuse a resume on changed data (read-only)
     done_rows = read_jsonl_tolerant(run_dir / SAMPLES)
     done = {(r["problem_id"], r["sample"]) for r in done_rows}
     pending = [(p, [i for i in range(prep.n_samples) if (p.id, i) not in done]) for p in problems]
@@ -243,6 +246,7 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     check_protocol(run_dir, _with_dtype(prep, work))
+    check_resolved(run_dir, data)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     read_jsonl_tolerant(run_dir / SAMPLES, repair=True)  # a torn last line (killed mid-write) is cut off
     read_jsonl_tolerant(run_dir / THROUGHPUT, repair=True)
@@ -337,6 +341,7 @@ def _decode(prep: Prepared, work: list[Work], done_rows, run_dir: Path, run_logg
 
     cfg, policy = prep.cfg, prep.policy
     spec, dtype_reason = _resolved_spec(prep, work)
+    check_resolved(run_dir, {"model": spec.resolve()})  # refuse a resume on changed weights
     t_load = time.perf_counter()
     model, tokenizer = spec.load()
     logger.info("model %s loaded in %.1f s (%s, %s)", spec.name, time.perf_counter() - t_load, spec.dtype, dtype_reason)
@@ -394,9 +399,7 @@ def _decode(prep: Prepared, work: list[Work], done_rows, run_dir: Path, run_logg
                 capacity,
                 dec.geometry.kv_bytes / 2**20,
             )
-        requests = [
-            Request(w.ids, [w.seeds[i] for i in w.missing], key=w.problem.id, samples=w.missing) for w in group
-        ]
+        requests = [Request(w.ids, [w.seeds[i] for i in w.missing], key=w.problem.id, samples=w.missing) for w in group]
         dec.on_step = lambda info, m=meter: m.step(bar, info)
         try:
             for fin in dec.run(requests):
@@ -448,6 +451,7 @@ def _write_manifest(prep, run_dir, model, tokenizer, spec, dtype_reason, dec: De
             "model": {
                 "name": spec.name,
                 "revision": spec.revision,
+                "resolved": spec.resolve(),
                 "dtype": str(next(model.parameters()).dtype),
                 "dtype_choice": dtype_reason,
                 "attn_backend": dec.backend,
