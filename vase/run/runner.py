@@ -3,8 +3,8 @@
 Everything is built from the composed Hydra config with ``hydra.utils.instantiate`` (model spec, task, policy,
 logger), so the runner never branches on types. Order of work, cheapest first:
 
-1. validate every number and build the task, the model spec and the policy (one-line ``ValueError`` on bad input,
-   before any data or weights load);
+1. check every setting (:func:`vase.run.checks.check_settings`), then build the task, the model spec and the policy
+   (one-line ``ValueError`` on bad input, before any data or weights load);
 2. resolve the budget (``budget=`` or the task's reference full-cache output length for the model / ``ratio``,
    rounded to a multiple of ``window``), the run directory and its protocol (a changed protocol is refused);
 3. load the problems, then the model; skip finished samples; decode each problem's missing samples as one batch;
@@ -27,6 +27,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from vase.engine.decode import SamplingConfig, generate, sample_seeds
+from vase.run.checks import check_settings
 from vase.run.metrics import classify_output, mean_pass_at_1, mean_pass_at_k
 from vase.run.results import (
     BATCHES,
@@ -47,29 +48,6 @@ logger = logging.getLogger(__name__)
 # Settings that do not change results: excluded from the protocol comparison on resume.
 NON_PROTOCOL_TASK_KEYS = ("limit", "shard", "num_shards", "data_dir", "max_workers")
 NON_PROTOCOL_GENERATION_KEYS = ("sync_every", "attn_backend")
-
-
-def _fail(setting: str, msg: str) -> None:
-    raise ValueError(f"{setting}: {msg}")
-
-
-def validate_numbers(cfg: DictConfig) -> None:
-    """Check the top-level numbers before anything is built or loaded."""
-    if not (isinstance(cfg.ratio, (int, float)) and cfg.ratio > 0):
-        _fail("ratio", f"must be > 0 (budget = reference output length / ratio), got {cfg.ratio!r}")
-    if not (isinstance(cfg.window, int) and cfg.window >= 1):
-        _fail("window", f"must be an integer >= 1, got {cfg.window!r}")
-    if cfg.budget is not None and not (isinstance(cfg.budget, int) and cfg.budget > cfg.window):
-        _fail("budget", f"must be an integer > window={cfg.window}, got {cfg.budget!r}")
-    if cfg.n_samples is not None and not (isinstance(cfg.n_samples, int) and cfg.n_samples >= 1):
-        _fail("n_samples", f"must be an integer >= 1, got {cfg.n_samples!r}")
-    if cfg.limit is not None and not (isinstance(cfg.limit, int) and cfg.limit >= 0):
-        _fail("limit", f"must be an integer >= 0, got {cfg.limit!r}")
-    if not isinstance(cfg.seed, int):
-        _fail("seed", f"must be an integer, got {cfg.seed!r}")
-    for k in cfg.pass_k:
-        if not (isinstance(k, int) and k >= 1):
-            _fail("pass_k", f"entries must be integers >= 1, got {k!r}")
 
 
 def build(node: Any, what: str) -> Any:
@@ -126,7 +104,7 @@ class Prepared:
 
 def prepare(cfg: DictConfig) -> Prepared:
     """Validate, resolve the budget and build task / model spec / policy (no data or weights loaded)."""
-    validate_numbers(cfg)
+    check_settings(cfg)  # every setting, before anything is built, written or loaded (vase/run/checks.py)
     task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
     if cfg.limit is not None:
         task_cfg["limit"] = cfg.limit
