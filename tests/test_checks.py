@@ -190,7 +190,7 @@ def test_parse_bytes(value, expected):
     "value, reason",
     [
         ("8G", "ambiguous unit 'G'"),
-        ("8 gigs", "unknown unit 'gigs'"),
+        ("8 gigs", "unknown unit 'gigs' in '8 gigs'; write a size such as generation.kv_memory=8GB"),
         ("abc", "not a size"),
         ("-1GB", "not a size"),
         ("", "not a size"),

@@ -2,8 +2,8 @@
 
 ``python run.py`` calls it on the composed config before Hydra starts (so a bad value writes no file, not even
 Hydra's own output directory), and :func:`vase.run.runner.prepare` calls it first thing (library use, tests).
-A bad value raises one ``ValueError("<setting>: <what is wrong>; <fix>")``; nothing is ever silently replaced by a
-default (``generation.max_length=0`` is an error, not "the task's length").
+A bad value raises one ``ValueError("<setting>: <what is wrong>, got <value>; <fix>")``; nothing is ever silently
+replaced by a default (``generation.max_length=0`` is an error, not "the task's length").
 
 Only the standard library and OmegaConf are imported here, so the command line's checks stay fast (no torch).
 The choices below mirror the engine's (``vase.engine.attention.BACKENDS``) and the model loader's
@@ -74,7 +74,7 @@ def parse_bytes(value: Any, setting: str = "size") -> int:
             ambiguous = unit.lower() in ("k", "m", "g", "t")
             why = f"ambiguous unit {unit!r}" if ambiguous else f"unknown unit {unit!r}"
             hint = f"{number}{unit.upper()}B (powers of 1000) or {number}{unit.upper()}iB (powers of 1024)"
-            raise ValueError(f"{setting}: {why} in {value!r}; write {hint if ambiguous else fix}")
+            raise ValueError(f"{setting}: {why} in {value!r}; {'write ' + hint if ambiguous else fix}")
         try:
             n = int(Decimal(number) * _UNITS[unit.lower()])
         except InvalidOperation:
