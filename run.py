@@ -8,6 +8,10 @@
 Config groups (conf/): model, task, policy, generation, logger, sweep, hydra/launcher. Top-level keys: ratio,
 budget, window, seed, n_samples, limit, results_dir, run_dir, pass_k. Results: results/<task>/<model>/<run>/.
 Rerunning the same command resumes it.
+
+Before Hydra starts (so nothing is written), the command line is composed with Hydra's compose API and every setting
+checked (:func:`check_overrides`, :mod:`vase.run.checks`): a typo or a bad value is one line on stderr with a
+did-you-mean or the fix, exit code 2.
 """
 
 from __future__ import annotations
@@ -42,6 +46,159 @@ def check_group_choices(argv: list[str]) -> str | None:
     return None
 
 
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _compose(config_name: str, overrides: list[str]):
+    """The config exactly as Hydra composes it for ``run.py`` (Hydra's compose API, Hydra's own node included)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides, return_hydra_config=True)
+
+
+def _is_group(key: str) -> bool:
+    return key in GROUPS or key.startswith("hydra/") or (CONF / key).is_dir()
+
+
+def _unknown_key(override: str, key: str, config_name: str, overrides: list[str], verb: str = "override") -> str:
+    """One line for a key the config does not have: a did-you-mean from the composed config's keys at that level."""
+    from omegaconf import OmegaConf
+
+    groups = [o for o in overrides if _is_group(o.split("=", 1)[0].lstrip("+~"))]
+    try:
+        composed = _compose(config_name, groups)
+        tree = OmegaConf.to_container(composed, resolve=False)
+        group_names = sorted({str(g) for g in composed.hydra.runtime.choices} | set(GROUPS))
+    except Exception:  # the group overrides themselves fail: no suggestion, Hydra's reason only
+        tree, group_names = {}, list(GROUPS)
+    if "/" in key:
+        options, where, missing = group_names, "config groups", key
+        known: list[str] = []
+    else:
+        parts, node, known = key.split("."), tree, []
+        for part in parts[:-1]:
+            if not (isinstance(node, dict) and part in node):
+                break
+            node, known = node[part], [*known, part]
+        missing = parts[len(known)]
+        parent = ".".join(known)
+        if not isinstance(node, dict):
+            return f"{override}: {parent} is a single value, it has no key {missing!r}; write {parent}=<value>"
+        options = sorted(str(k) for k in node)
+        if not parent:
+            options = sorted(set(options) | {g for g in group_names if "/" not in g})
+        where = f"keys of {parent}" if parent else "top-level settings and groups"
+    close = difflib.get_close_matches(missing, options, n=1)
+    hint = ""
+    if close:
+        fixed = close[0] if "/" in key else ".".join([*known, close[0], *key.split(".")[len(known) + 1 :]])
+        hint = f" (did you mean {override.replace(key, fixed, 1)}?)"
+    add = f"; to add a new key: +{override.lstrip('+~')}" if verb == "override" else ""
+    return f"{override}: unknown setting {key}{hint}; {where}: {', '.join(options)}{add}"
+
+
+def _explain(err: Exception, overrides: list[str], config_name: str) -> str:
+    """Hydra's multi-line composition error as one line naming the override, with a fix."""
+    import re
+
+    from hydra.errors import MissingConfigException
+
+    msg = str(err)
+
+    def find(key: str) -> str:
+        for o in overrides:
+            if o.split("=", 1)[0].lstrip("+~").split("@", 1)[0] == key:
+                return o
+        return key
+
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
+        group, option = err.missing_cfg_file.rsplit("/", 1)
+        options = sorted(err.options or [])
+        close = difflib.get_close_matches(option, options, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return f"{group}={option}: unknown {group}{hint}; valid: {', '.join(options)}"
+    if m := re.search(r"Could not override '(.+?)'", msg):
+        return _unknown_key(find(m.group(1)), m.group(1), config_name, overrides)
+    if m := re.search(r"Could not delete from config\. '(.+?)' does not exist", msg):
+        return _unknown_key(find(m.group(1)), m.group(1), config_name, overrides, verb="delete")
+    if m := re.search(r"An item is already at '(.+?)'", msg):
+        o = find(m.group(1))
+        return f"{o}: {m.group(1)} already exists; drop the + ({o.lstrip('+')}) or write ++{o.lstrip('+')}"
+    return f"{' '.join(overrides) or config_name}: {_one_line(msg)}"
+
+
+def check_overrides(argv: list[str]) -> str | None:
+    """Compose the config as Hydra will, then check every setting: one line for any error, before Hydra starts.
+
+    Unknown keys and groups get a did-you-mean (keys of the composed config at that level, group names, group
+    options); values go through :func:`vase.run.checks.check_settings`. In a multirun (``-m``) every value of each
+    swept setting is checked. Returns ``None`` when the command line is fine (or not ours to judge: ``--help``,
+    another config directory).
+    """
+    import contextlib
+    import io
+
+    from hydra._internal.utils import get_args_parser  # the parser @hydra.main itself uses
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from vase.run.checks import check_settings
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args, _ = get_args_parser().parse_known_args(argv)
+    except SystemExit:
+        return None  # a malformed flag: Hydra's own parser reports it
+    if args.help or args.hydra_help or args.shell_completion or args.config_path or args.config_dir:
+        return None
+    if args.experimental_rerun:
+        return None
+    config_name = args.config_name or "config"
+    parser = OverridesParser.create()
+    parsed = []
+    for text in args.overrides:
+        try:
+            parsed.append((text, parser.parse_override(text)))
+        except HydraException as err:
+            reason = _one_line(str(err).split("\n")[0])
+            fix = "write key=value, and quote values with special characters: key='a,b'"
+            return f"{text}: cannot parse it ({reason}); {fix}"
+    first = [text for text, _ in parsed]  # the first value of every sweep; then each other value in turn
+    others: list[tuple[int, str]] = []
+    for i, (text, o) in enumerate(parsed):
+        if not o.is_sweep_override():
+            continue
+        key = o.get_key_element()
+        if not args.multirun:
+            return (
+                f"{text}: a comma-separated value is a sweep; add -m to sweep over it, write {key}=[a,b] for a list, "
+                f"or quote it: {key}='a,b'"
+            )
+        try:
+            values = [f"{key}={v}" for v in o.sweep_string_iterator()]
+        except HydraException:  # interval() / glob(): not enumerable here, left to Hydra
+            values = []
+        first[i] = values[0] if values else ""
+        others += [(i, v) for v in values[1:]]
+    variants = [first]
+    for i, v in others:
+        variants.append([v if j == i else t for j, t in enumerate(first)])
+    for variant in variants[:64]:
+        overrides = [t for t in variant if t]
+        try:
+            cfg = _compose(config_name, overrides)
+        except (HydraException, OmegaConfBaseException) as err:
+            return _explain(err, overrides, config_name)
+        try:
+            check_settings(cfg)
+        except ValueError as err:
+            return str(err)
+    return None
+
+
 def main() -> None:
     import hydra
     from omegaconf import DictConfig
@@ -57,13 +214,24 @@ def main() -> None:
             if cfg.get("raise_errors", False):
                 raise
             sys.exit(2)
-        print_summary(metrics)
+        print_summary(metrics, budget_free=_budget_free(cfg))
         return metrics.get("accuracy")
 
     _run()
 
 
-def print_summary(metrics: dict) -> None:
+def _budget_free(cfg) -> bool:
+    """Whether the run's policy ignores the budget (the full cache: kind ``none``)."""
+    from hydra.utils import get_class
+
+    try:
+        return getattr(get_class(cfg.policy._target_), "kind", None) == "none"
+    except Exception:
+        return False
+
+
+def print_summary(metrics: dict, budget_free: bool = False) -> None:
+    """The end-of-run table; a policy that ignores the budget (the full cache) shows no budget."""
     keys = [
         "task",
         "model",
@@ -89,10 +257,13 @@ def print_summary(metrics: dict) -> None:
         "attended_tokens",
         "run_dir",
     ]
+    shown = dict(metrics)
+    if budget_free:
+        shown["budget"] = "none (the full cache keeps every token)"
     width = max(len(k) for k in keys)
     lines = ["", "=" * 60]
     for k in keys:
-        v = metrics.get(k)
+        v = shown.get(k)
         if v is None:
             continue
         lines.append(f"{k:<{width}}  {v:.4g}" if isinstance(v, float) else f"{k:<{width}}  {v}")
@@ -101,7 +272,7 @@ def print_summary(metrics: dict) -> None:
 
 
 if __name__ == "__main__":
-    error = check_group_choices(sys.argv[1:])
+    error = check_group_choices(sys.argv[1:]) or check_overrides(sys.argv[1:])
     if error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

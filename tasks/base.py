@@ -345,6 +345,9 @@ class Task:
         """Grade many outputs, in order."""
         return [self.grade(p, out, thinking) for p, out in items]
 
+    def check_environment(self) -> None:
+        """Refuse, with a one-line ``ValueError``, a machine this task cannot run on safely (before any decoding)."""
+
     def reference_tokens(self, model: str) -> int:
         """Mean full-cache output tokens of ``model`` on this task (the ``default`` entry if the model is absent)."""
         if model in self.reference_output_tokens:

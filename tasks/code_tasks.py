@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 
 from tasks.base import Grade, Problem, Task, hub_file, iter_jsonl, warn_unpinned
 from tasks.grading import extract_code
-from tasks.sandbox import SandboxLimits, default_workers, run_program
+from tasks.sandbox import SandboxLimits, default_workers, isolation_mode, run_program
 from vase.hub import sha256_file, snapshot_sha
 
 logger = logging.getLogger(__name__)
@@ -175,6 +175,10 @@ class CodeTask(Task):
             raise ValueError(f"task.memory_mb: must be > 0, got {self.memory_mb}")
         if self.max_workers is not None and self.max_workers < 1:
             raise ValueError(f"task.max_workers: must be >= 1 or null, got {self.max_workers}")
+
+    def check_environment(self) -> None:
+        """Generated code needs the sandbox: refuse root without isolation now (see :func:`isolation_mode`)."""
+        isolation_mode()
 
     def limits(self, timeout_s: float | None = None) -> SandboxLimits:
         """Sandbox limits of one run (``timeout_s`` overrides the per-test limit)."""

@@ -26,15 +26,22 @@ Isolation levels (:func:`isolation_mode`, probed once):
   a lock file so several harness processes on one machine never share one), so ``RLIMIT_NPROC`` - ignored for
   root - bounds each run separately. The program cannot see or signal the harness, and everything it forked dies
   with it.
-* ``basic`` (anything else, e.g. an unprivileged user on a cluster): the limits above, a new session killed as a
-  group, and a private network namespace only if unprivileged user namespaces are allowed. Files outside the working
-  directory are protected only by the user's own permissions, and ``RLIMIT_NPROC`` counts all the user's processes
-  (it is set to their current count + ``max_procs``). A warning is logged once.
+* ``basic`` (a non-root user, e.g. on a cluster): the limits above, a new session killed as a group, and a private
+  network namespace only if unprivileged user namespaces are allowed. Files outside the working directory are
+  protected only by the user's own permissions, and ``RLIMIT_NPROC`` counts all the user's processes (it is set to
+  their current count + ``max_procs``). A warning is logged once.
+* root without working namespaces (e.g. an unprivileged container): refused with :class:`SandboxRefused` (a
+  ``ValueError``: one line with the fix), since basic mode would keep root's file access and ``RLIMIT_NPROC`` does
+  not apply to root. Opt in explicitly with ``VASE_SANDBOX_ALLOW_ROOT_FALLBACK=1`` (:data:`ALLOW_ROOT_FALLBACK_ENV`)
+  to run in basic mode anyway (a warning says what is lost).
 
 Not covered even in ``full`` mode: reads of world-readable files (the program can read the code base and system
 files, never write them), and CPU/memory contention with the harness beyond the limits.
 
 :func:`run_many` runs programs in parallel on a thread pool (each worker drives one child), bounded by the cores.
+
+(About 600 lines, one module on purpose: the isolation probe, the uid pool and the run loop share private state and
+are reviewed together as the security boundary; the privileged part lives in ``_sandbox_launcher.py``.)
 """
 
 from __future__ import annotations
@@ -71,6 +78,12 @@ MAX_SANDBOX_UIDS = 1024
 FULL_MODE_WORKDIR = "/tmp/vase_sandbox"
 COVERED_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 STATUSES = ("ok", "failed", "timeout", "output_limit", "error")
+#: Set to 1 to run generated code as root in ``basic`` mode when full isolation is unavailable (refused otherwise).
+ALLOW_ROOT_FALLBACK_ENV = "VASE_SANDBOX_ALLOW_ROOT_FALLBACK"
+
+
+class SandboxRefused(ValueError):
+    """The sandbox will not run generated code here (root without isolation); the message says how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +168,7 @@ class Program:
 
 _mode_lock = threading.Lock()
 _mode: str | None = None
+_refusal: str | None = None  # why isolation_mode() refuses (root without namespaces, no opt-in), once probed
 _uid_lock = threading.Lock()
 _uids_in_use: dict[int, int] = {}  # uid -> fd holding its lock file
 
@@ -187,29 +201,53 @@ def _remove_stale_dirs() -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def root_fallback_allowed() -> bool:
+    """Whether the user opted in to ``basic`` isolation while running as root (:data:`ALLOW_ROOT_FALLBACK_ENV`)."""
+    return os.environ.get(ALLOW_ROOT_FALLBACK_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
 def isolation_mode() -> str:
-    """The isolation level available here, ``"full"`` or ``"basic"`` (probed once by running a tiny program)."""
-    global _mode
+    """The isolation level available here, ``"full"`` or ``"basic"`` (probed once by running a tiny program).
+
+    Raises:
+        SandboxRefused: running as root where full isolation does not work, unless
+            ``VASE_SANDBOX_ALLOW_ROOT_FALLBACK=1`` (root keeps its file access in basic mode and ``RLIMIT_NPROC`` does
+            not apply to it).
+    """
+    global _mode, _refusal
     with _mode_lock:
+        if _refusal is not None:
+            raise SandboxRefused(_refusal)
         if _mode is None:
             _remove_stale_dirs()
-            _mode = "basic"
+            mode = "basic"
             if os.geteuid() == 0:
                 probe = _run("import socket, os\nprint(os.getuid())", mode="full", limits=SandboxLimits(timeout_s=10))
                 if probe.ok and probe.stdout.strip() != "0":
-                    _mode = "full"
+                    mode = "full"
                 else:
+                    why = " ".join(f"{probe.status} {probe.reason} {probe.stderr}".split())[-200:]
+                    if not root_fallback_allowed():
+                        _refusal = (
+                            f"sandbox: refusing to run generated code as root without isolation (namespaces "
+                            f"unavailable: {why}); run as a non-root user, or allow namespaces (e.g. a container "
+                            f"with CAP_SYS_ADMIN), or opt in to the weaker basic mode with "
+                            f"{ALLOW_ROOT_FALLBACK_ENV}=1"
+                        )
+                        raise SandboxRefused(_refusal)
                     logger.warning(
-                        "sandbox: full isolation unavailable (%s %s); using basic mode",
-                        probe.status,
-                        (probe.reason + " " + probe.stderr)[-300:],
+                        "sandbox: full isolation unavailable (%s); running generated code as ROOT in basic mode "
+                        "because %s=1: it keeps root's file access and no process-count limit applies",
+                        why,
+                        ALLOW_ROOT_FALLBACK_ENV,
                     )
-            if _mode == "basic":
+            if mode == "basic":
                 logger.warning(
                     "sandbox: basic isolation only (resource limits, clean environment, fresh working directory; "
                     "no private filesystem, network isolation only where unprivileged user namespaces work, and the "
                     "process-count limit is shared with this user's processes)"
                 )
+            _mode = mode
         return _mode
 
 

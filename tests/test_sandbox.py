@@ -19,12 +19,29 @@ from pathlib import Path
 import pytest
 
 from tasks import sandbox
-from tasks.sandbox import Program, SandboxLimits, isolation_mode, run_many, run_program
+from tasks.sandbox import (
+    ALLOW_ROOT_FALLBACK_ENV,
+    Program,
+    SandboxLimits,
+    SandboxRefused,
+    SandboxResult,
+    isolation_mode,
+    run_many,
+    run_program,
+)
 
 FAST = SandboxLimits(timeout_s=2.0, memory_mb=512, max_procs=32, max_output_bytes=1 << 20)
 
+
+def _full_isolation() -> bool:
+    try:
+        return isolation_mode() == "full"
+    except SandboxRefused:
+        return False
+
+
 needs_full = pytest.mark.skipif(
-    isolation_mode() != "full", reason="needs full isolation (root with namespaces) to protect the harness"
+    not _full_isolation(), reason="needs full isolation (root with namespaces) to protect the harness"
 )
 
 
@@ -131,6 +148,59 @@ def test_basic_mode_enforces_limits() -> None:
     assert time.monotonic() - start < quick.timeout_s + 3
     assert sandbox._run("x = bytearray(2 * 1024**3)", limits=FAST, mode="basic").status == "failed"
     assert sandbox._run("print('x' * 10**7)", limits=FAST, mode="basic").status == "output_limit"
+
+
+def _fake_machine(monkeypatch: pytest.MonkeyPatch, *, root: bool, namespaces: bool) -> list[str]:
+    """Forget the probed mode; fake the user (root or not) and whether namespaces work. Returns the modes run."""
+    monkeypatch.setattr(sandbox, "_mode", None)
+    monkeypatch.setattr(sandbox, "_refusal", None)
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0 if root else 1000)
+    monkeypatch.delenv(ALLOW_ROOT_FALLBACK_ENV, raising=False)
+    runs: list[str] = []
+
+    def fake_run(code: str, stdin: str | bytes = "", *, limits: SandboxLimits, mode: str, **_: object) -> SandboxResult:
+        runs.append(mode)
+        if mode == "full" and not namespaces:
+            return SandboxResult("error", reason="VASE_SANDBOX_SETUP_ERROR: unshare: Operation not permitted (errno 1)")
+        return SandboxResult("ok", stdout="64000\n", returncode=0)
+
+    monkeypatch.setattr(sandbox, "_run", fake_run)
+    return runs
+
+
+def test_root_without_isolation_is_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """B11: as root with no namespaces, basic mode would keep root's file access: refuse, never run the program."""
+    runs = _fake_machine(monkeypatch, root=True, namespaces=False)
+    with pytest.raises(SandboxRefused) as info:
+        run_program("print('untrusted')")
+    msg = str(info.value)
+    assert isinstance(info.value, ValueError) and "\n" not in msg
+    assert msg.startswith("sandbox: refusing to run generated code as root without isolation")
+    assert "Operation not permitted" in msg and "non-root user" in msg and f"{ALLOW_ROOT_FALLBACK_ENV}=1" in msg
+    with pytest.raises(SandboxRefused):  # refused again, without probing again
+        run_many(["print(1)", "print(2)"])
+    assert runs == ["full"]  # only the probe ran; the program never did
+
+
+def test_root_fallback_runs_in_basic_mode_only_when_opted_in(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    runs = _fake_machine(monkeypatch, root=True, namespaces=False)
+    monkeypatch.setenv(ALLOW_ROOT_FALLBACK_ENV, "1")
+    with caplog.at_level("WARNING", logger="tasks.sandbox"):
+        assert isolation_mode() == "basic"
+        assert run_program("print(1)").ok
+    assert runs == ["full", "basic"]
+    assert any("as ROOT in basic mode" in r.getMessage() for r in caplog.records)
+
+
+def test_isolation_mode_for_a_normal_user_and_for_root_with_namespaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = _fake_machine(monkeypatch, root=False, namespaces=False)
+    assert isolation_mode() == "basic" and runs == []  # no refusal and no probe for a non-root user
+    runs = _fake_machine(monkeypatch, root=True, namespaces=True)
+    assert isolation_mode() == "full" and runs == ["full"]
+    monkeypatch.setenv(ALLOW_ROOT_FALLBACK_ENV, "0")
+    assert not sandbox.root_fallback_allowed()
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Everything is built from the composed Hydra config with ``hydra.utils.instantiat
 logger), so the runner never branches on types. Order of work, cheapest first, and nothing is written before every
 input has been checked:
 
-1. validate every setting and build the task, the model spec and the policy (one-line ``ValueError``);
+1. check every setting (:func:`vase.run.checks.check_settings`), then build the task, the model spec and the policy
+   (one-line ``ValueError`` on bad input, before any data or weights load);
 2. resolve the budget (``budget=`` or the task's reference full-cache output length for the model / ``ratio``,
    rounded to a multiple of ``window``), the run directory and its protocol;
 3. load the problems and the tokenizer (no weights), render and measure every prompt; refuse a changed protocol;
@@ -19,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -32,6 +32,7 @@ from vase.engine.cache import cache_capacity
 from vase.engine.decode import Decoder, Request, model_geometry
 from vase.engine.memory import auto_dtype, plan_rows
 from vase.engine.sampling import SamplingConfig, sample_seeds
+from vase.run.checks import check_settings, parse_bytes
 from vase.run.records import compute_metrics, sample_row
 from vase.run.results import (
     SAMPLES,
@@ -53,47 +54,7 @@ logger = logging.getLogger(__name__)
 # Settings that do not change results: excluded from the protocol comparison on resume.
 NON_PROTOCOL_TASK_KEYS = ("limit", "shard", "num_shards", "data_dir", "max_workers")
 NON_PROTOCOL_GENERATION_KEYS = ("sync_every", "attn_backend", "batching", "max_rows", "kv_memory")
-BATCHING = ("continuous", "per_problem")
 THROUGHPUT_EVERY_S = 30.0  # a throughput.jsonl line at least this often while decoding
-
-
-def _fail(setting: str, msg: str) -> None:
-    raise ValueError(f"{setting}: {msg}")
-
-
-def validate_numbers(cfg: DictConfig) -> None:
-    """Check the top-level numbers before anything is built or loaded."""
-    if not (isinstance(cfg.ratio, (int, float)) and cfg.ratio > 0):
-        _fail("ratio", f"must be > 0 (budget = reference output length / ratio), got {cfg.ratio!r}")
-    if not (isinstance(cfg.window, int) and cfg.window >= 1):
-        _fail("window", f"must be an integer >= 1, got {cfg.window!r}")
-    if cfg.budget is not None and not (isinstance(cfg.budget, int) and cfg.budget > cfg.window):
-        _fail("budget", f"must be an integer > window={cfg.window}, got {cfg.budget!r}")
-    if cfg.n_samples is not None and not (isinstance(cfg.n_samples, int) and cfg.n_samples >= 1):
-        _fail("n_samples", f"must be an integer >= 1, got {cfg.n_samples!r}")
-    if cfg.limit is not None and not (isinstance(cfg.limit, int) and cfg.limit >= 0):
-        _fail("limit", f"must be an integer >= 0, got {cfg.limit!r}")
-    if not isinstance(cfg.seed, int):
-        _fail("seed", f"must be an integer, got {cfg.seed!r}")
-    for k in cfg.pass_k:
-        if not (isinstance(k, int) and k >= 1):
-            _fail("pass_k", f"entries must be integers >= 1, got {k!r}")
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
-
-
-def parse_bytes(value: Any, setting: str = "generation.kv_memory") -> int | None:
-    """``8GB`` / ``512MiB`` / ``1.5GiB`` / an integer byte count → bytes (``None`` stays ``None``)."""
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if m is None or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        _fail(setting, f"must be a size such as 8GB, 512MiB or a byte count, got {value!r}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def build(node: Any, what: str) -> Any:
@@ -141,7 +102,7 @@ class Prepared:
 
 def prepare(cfg: DictConfig) -> Prepared:
     """Validate, resolve the budget and build task / model spec / policy (no data or weights loaded)."""
-    validate_numbers(cfg)
+    check_settings(cfg)  # every setting, before anything is built, written or loaded (vase/run/checks.py)
     task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
     if cfg.limit is not None:
         task_cfg["limit"] = cfg.limit
@@ -157,13 +118,10 @@ def prepare(cfg: DictConfig) -> Prepared:
     gen = cfg.generation
     sampling = SamplingConfig(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, greedy=gen.greedy)
     max_length = int(gen.max_length) if gen.max_length is not None else int(task.max_length)
-    batching = gen.get("batching", "continuous")
-    if batching not in BATCHING:
-        _fail("generation.batching", f"must be one of {', '.join(BATCHING)}, got {batching!r}")
+    batching = gen.get("batching", "continuous")  # choices, max_rows and kv_memory checked by check_settings
     max_rows = gen.get("max_rows", "auto")
-    if max_rows != "auto" and not (isinstance(max_rows, int) and not isinstance(max_rows, bool) and max_rows >= 1):
-        _fail("generation.max_rows", f"must be an integer >= 1 or auto, got {max_rows!r}")
-    kv_memory = parse_bytes(gen.get("kv_memory"))
+    kv_memory = None if gen.get("kv_memory") is None else parse_bytes(gen.kv_memory, "generation.kv_memory")
+    task.check_environment()  # e.g. a code task refuses an unsafe sandbox now, not after decoding
     thinking = bool(model_spec.thinking and task.thinking)
     policy_desc = policy.describe()
     # The full cache ignores budget and window: one run serves every ratio of a sweep (never decoded twice).
@@ -288,9 +246,9 @@ def _measure(prep: Prepared, pending) -> list[Work]:
         work.append(Work(problem, ids, missing, seeds))
     shortest = min(len(w.ids) for w in work)
     if shortest >= prep.max_length:
-        _fail(
-            "generation.max_length",
-            f"{prep.max_length} leaves no room for output: the shortest prompt has {shortest} tokens; raise it",
+        raise ValueError(
+            f"generation.max_length: {prep.max_length} leaves no room for output (the shortest prompt has "
+            f"{shortest} tokens); raise generation.max_length"
         )
     for w in work:
         if len(w.ids) >= prep.max_length:

@@ -1,0 +1,279 @@
+"""Every setting check in one place: :func:`check_settings` runs before anything is built, written or loaded.
+
+``python run.py`` calls it on the composed config before Hydra starts (so a bad value writes no file, not even
+Hydra's own output directory), and :func:`vase.run.runner.prepare` calls it first thing (library use, tests).
+A bad value raises one ``ValueError("<setting>: <what is wrong>, got <value>; <fix>")``; nothing is ever silently
+replaced by a default (``generation.max_length=0`` is an error, not "the task's length").
+
+Only the standard library and OmegaConf are imported here, so the command line's checks stay fast (no torch).
+The choices below mirror the engine's (``vase.engine.attention.BACKENDS``) and the model loader's
+(``vase.models.DTYPES``); ``tests/test_checks.py`` keeps them equal.
+
+Settings that a checkout may not have yet (``generation.max_rows``, ``generation.kv_memory``, ``generation.batching``)
+are checked when present and ignored when absent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from collections.abc import Mapping
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+#: ``generation.attn_backend`` (= ``vase.engine.attention.BACKENDS``).
+ATTN_BACKENDS = ("auto", "sdpa", "eager", "flash_attn")
+#: ``model.dtype``: ``auto`` (the checkpoint's own dtype) or a name of ``vase.models.DTYPES``.
+MODEL_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
+#: ``generation.batching``.
+BATCHING = ("continuous", "per_problem")
+
+_ABSENT = object()
+# Decimal (SI) and binary (IEC) byte units; a bare K/M/G/T is refused as ambiguous.
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Any, setting: str = "size") -> int:
+    """A byte count from ``8GB`` (10^9), ``512MiB`` (2^20), ``1.5GiB``, ``"4096"`` or an integer (>= 1).
+
+    Units are case-insensitive: ``B``, ``KB`` / ``MB`` / ``GB`` / ``TB`` (powers of 1000) and ``KiB`` / ``MiB`` /
+    ``GiB`` / ``TiB`` (powers of 1024). A bare ``8G`` is refused (write ``8GB`` or ``8GiB``). Fractional byte counts
+    are rounded down. Raises a one-line ``ValueError`` naming ``setting``.
+    """
+    fix = f"write a size such as {setting}=8GB, 512MiB, 1.5GiB or a byte count"
+    if isinstance(value, bool):
+        raise ValueError(f"{setting}: must be a size, got {value!r}; {fix}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{setting}: must be a size, got {value!r}; {fix}")
+        n = int(value)
+    elif isinstance(value, str):
+        match = _SIZE.match(value)
+        if not match:
+            raise ValueError(f"{setting}: not a size: {value!r}; {fix}")
+        number, unit = match.groups()
+        if unit.lower() not in _UNITS:
+            ambiguous = unit.lower() in ("k", "m", "g", "t")
+            why = f"ambiguous unit {unit!r}" if ambiguous else f"unknown unit {unit!r}"
+            hint = f"{number}{unit.upper()}B (powers of 1000) or {number}{unit.upper()}iB (powers of 1024)"
+            raise ValueError(f"{setting}: {why} in {value!r}; {'write ' + hint if ambiguous else fix}")
+        try:
+            n = int(Decimal(number) * _UNITS[unit.lower()])
+        except InvalidOperation:
+            raise ValueError(f"{setting}: not a size: {value!r}; {fix}") from None
+    else:
+        raise ValueError(f"{setting}: must be a size, got {value!r}; {fix}")
+    if n < 1:
+        raise ValueError(f"{setting}: must be at least 1 byte, got {value!r}; {fix}")
+    return n
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# small checkers: each raises ValueError("<setting>: <what is wrong>, got <value>; <fix>")
+
+
+def _get(cfg: DictConfig, path: str) -> Any:
+    """The resolved value at ``path``, or ``_ABSENT``; an unresolvable interpolation names the setting."""
+    try:
+        value = OmegaConf.select(cfg, path, default=_ABSENT, throw_on_resolution_failure=True)
+    except OmegaConfBaseException as err:
+        reason = " ".join(str(err).split("\n")[0].split())
+        raise ValueError(f"{path}: cannot resolve its value ({reason}); set it explicitly, e.g. {path}=...") from None
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _fail(setting: str, problem: str, value: Any, fix: str) -> None:
+    raise ValueError(f"{setting}: {problem}, got {value!r}; {fix}")
+
+
+def _integer(
+    cfg: DictConfig, path: str, minimum: int | None, *, nullable: bool = False, null_means: str = "", fix: str = ""
+) -> Any:
+    value = _get(cfg, path)
+    if value is _ABSENT or (nullable and value is None):
+        return value
+    if not _is_int(value) or (minimum is not None and value < minimum):
+        bound = "an integer" if minimum is None else f"an integer >= {minimum}"
+        alt = f" or null ({null_means})" if nullable else ""
+        _fail(path, f"must be {bound}{alt}", value, fix or f"e.g. {path}={max(minimum or 0, 1)}")
+    return value
+
+
+def _number(cfg: DictConfig, path: str, *, low: float, low_open: bool, high: float | None = None, fix: str) -> Any:
+    value = _get(cfg, path)
+    if value is _ABSENT:
+        return value
+    ok = _is_number(value) and (value > low if low_open else value >= low) and (high is None or value <= high)
+    if not ok:
+        if high is not None:
+            rng = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        else:
+            rng = f"{'>' if low_open else '>='} {low:g}"
+        _fail(path, f"must be {rng}", value, fix)
+    return value
+
+
+def _boolean(cfg: DictConfig, path: str) -> Any:
+    value = _get(cfg, path)
+    if value is not _ABSENT and not isinstance(value, bool):
+        _fail(path, "must be true or false", value, f"write {path}=true or {path}=false")
+    return value
+
+
+def _choice(cfg: DictConfig, path: str, choices: tuple[str, ...], *, nullable: bool = False) -> Any:
+    value = _get(cfg, path)
+    if value is _ABSENT or (nullable and value is None):
+        return value
+    if value not in choices:
+        import difflib
+
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f"did you mean {path}={close[0]}? " if close else ""
+        _fail(path, "unknown choice", value, f"{hint}choose one of {', '.join(choices)}")
+    return value
+
+
+def _path(cfg: DictConfig, path: str, *, nullable: bool, example: str) -> Any:
+    value = _get(cfg, path)
+    if value is _ABSENT or (nullable and value is None):
+        return value
+    if not isinstance(value, str) or not value.strip():
+        alt = " or null" if nullable else ""
+        _fail(path, f"must be a directory path{alt}", value, f"e.g. {path}={example}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the settings
+
+
+def _check_top_level(cfg: DictConfig) -> None:
+    _number(cfg, "ratio", low=0, low_open=True, fix="budget = reference output length / ratio: e.g. ratio=4")
+    window = _integer(cfg, "window", 1, fix="the recent window in tokens: e.g. window=64")
+    budget = _get(cfg, "budget")
+    if budget not in (None, _ABSENT):
+        w = window if _is_int(window) else 64
+        if not _is_int(budget) or budget <= w:
+            _fail("budget", f"must be an integer > window={w} or null (from ratio)", budget, f"e.g. budget={4 * w}")
+    _integer(cfg, "seed", None, fix="e.g. seed=0")
+    _integer(cfg, "n_samples", 1, nullable=True, null_means="the task's protocol", fix="e.g. n_samples=4")
+    _integer(cfg, "limit", 0, nullable=True, null_means="the task's default", fix="e.g. limit=10")
+    pass_k = _get(cfg, "pass_k")
+    if pass_k is not _ABSENT:
+        if not isinstance(pass_k, list):
+            _fail("pass_k", "must be a list of integers >= 1", pass_k, "e.g. pass_k=[1,4,16]")
+        for k in pass_k:
+            if not (_is_int(k) and k >= 1):
+                _fail("pass_k", "entries must be integers >= 1", k, "e.g. pass_k=[1,4,16]")
+    _path(cfg, "results_dir", nullable=False, example="results")
+    _path(cfg, "run_dir", nullable=True, example="results/my_run")
+    for flag in ("progress", "record_kept", "raise_errors"):
+        _boolean(cfg, flag)
+
+
+def _check_generation(cfg: DictConfig) -> None:
+    g = "generation"
+    _number(cfg, f"{g}.temperature", low=0, low_open=False, fix=f"0 = greedy; e.g. {g}.temperature=0.6")
+    _number(cfg, f"{g}.top_p", low=0, low_open=True, high=1, fix=f"1 = off; e.g. {g}.top_p=0.95")
+    _integer(cfg, f"{g}.top_k", 0, fix=f"0 = off; e.g. {g}.top_k=20")
+    _boolean(cfg, f"{g}.greedy")
+    _integer(
+        cfg,
+        f"{g}.max_length",
+        1,
+        nullable=True,
+        null_means="task.max_length",
+        fix=f"e.g. {g}.max_length=4096 (prompt + output tokens)",
+    )
+    backend = _choice(cfg, f"{g}.attn_backend", ATTN_BACKENDS)
+    if backend == "flash_attn":
+        device = _get(cfg, "model.device")
+        if device == "cpu":
+            _fail(f"{g}.attn_backend", "flash_attn needs a CUDA device", backend, f"use {g}.attn_backend=sdpa on CPU")
+        if importlib.util.find_spec("flash_attn") is None:
+            _fail(
+                f"{g}.attn_backend",
+                "the flash_attn package is not installed",
+                backend,
+                f"pip install '.[gpu]' or use {g}.attn_backend=auto",
+            )
+    _integer(
+        cfg,
+        f"{g}.sync_every",
+        1,
+        nullable=True,
+        null_means="1 on CPU, 16 on CUDA",
+        fix=f"e.g. {g}.sync_every=16 (copy tokens to the host every 16 steps)",
+    )
+    max_rows = _get(cfg, f"{g}.max_rows")
+    if max_rows is not _ABSENT and max_rows != "auto" and not (_is_int(max_rows) and max_rows >= 1):
+        _fail(f"{g}.max_rows", "must be auto or an integer >= 1", max_rows, f"e.g. {g}.max_rows=auto or 16")
+    kv_memory = _get(cfg, f"{g}.kv_memory")
+    if kv_memory not in (None, _ABSENT):
+        parse_bytes(kv_memory, f"{g}.kv_memory")
+    _choice(cfg, f"{g}.batching", BATCHING)
+
+
+def _check_model(cfg: DictConfig) -> None:
+    _choice(cfg, "model.dtype", MODEL_DTYPES)
+    device = _get(cfg, "model.device")
+    if device is not _ABSENT and not (
+        device in ("auto", "cpu", "cuda") or (isinstance(device, str) and re.fullmatch(r"cuda:\d+", device))
+    ):
+        _fail("model.device", "must be auto, cpu, cuda or cuda:<index>", device, "e.g. model.device=auto")
+
+
+def _check_task(cfg: DictConfig) -> None:
+    _integer(cfg, "task.limit", 0, nullable=True, null_means="every problem", fix="e.g. task.limit=10")
+    _integer(cfg, "task.n_samples", 1, fix="e.g. task.n_samples=4")
+    _integer(cfg, "task.max_length", 1, fix="prompt + output tokens: e.g. task.max_length=4096")
+    num_shards = _integer(cfg, "task.num_shards", 1, fix="e.g. task.num_shards=4")
+    shard = _integer(cfg, "task.shard", 0, fix="e.g. task.shard=0")
+    if _is_int(num_shards) and _is_int(shard) and shard >= num_shards:
+        _fail("task.shard", f"must be in [0, task.num_shards={num_shards})", shard, f"e.g. task.shard={num_shards - 1}")
+    _path(cfg, "task.data_dir", nullable=True, example="../shared/data")
+
+
+def check_settings(cfg: DictConfig | Mapping) -> None:
+    """Check every top-level, ``generation``, ``model`` and common ``task`` setting of a composed config.
+
+    Runs before anything is built, written or loaded. Group-specific fields (a policy's ``n_protect``, a task's
+    ``timeout_s``) are checked by their dataclasses when built, still before any data or weights load.
+
+    Raises:
+        ValueError: one line, ``"<setting>: <what is wrong>, got <value>; <fix>"``.
+    """
+    if not isinstance(cfg, DictConfig):
+        cfg = OmegaConf.create(dict(cfg))
+    _check_top_level(cfg)
+    _check_generation(cfg)
+    _check_model(cfg)
+    _check_task(cfg)
