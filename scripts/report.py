@@ -5,12 +5,14 @@
     python scripts/report.py results/ --wandb disabled --formats png
 
 Reads every run under RESULTS_DIR (any mix of runs and sweeps; found by their metrics.json / samples.jsonl, read from
-their saved config and metrics, never from directory names; half-finished runs are recomputed from samples.jsonl and
-marked †) and writes:
+their saved config, samples.jsonl and throughput.jsonl, never from directory names; half-finished runs are recomputed
+from samples.jsonl and marked †) and writes:
 
   tables/   accuracy_<model>_<op>  policy x task pass@1 ± SE, full cache first, the five-task average
-            failures_<model>_<op>  loop / garbage / truncated / ok rates, answered rate, mean output length
-            efficiency_<model>_<op>  KV-cache bytes, peak memory, decode tokens/s, compression, evictions
+            failures_<model>_<op>  loop / garbage / truncated / ok (+ non-finite / prompt too long when
+                                   present) rates, answered rate, mean output length
+            efficiency_<model>_<op>  decode tokens/s, rows in flight, allocated KV (static), KV held vs
+                                     full-cache KV per sample, peak memory, compression, evictions
             summary                every (model, task, policy, operating point) with every metric
             diversity              kept-set Jaccard across heads / layers / samples (runs with record_kept=true)
             each as .csv, .md and .tex

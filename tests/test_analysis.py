@@ -27,12 +27,26 @@ import pytest
 import yaml
 
 from vase.analysis.aggregate import summarize
-from vase.analysis.figures import FigureResult, figure_ablation_heatmap, figure_accuracy_vs_budget
+from vase.analysis.figures import (
+    FigureResult,
+    figure_ablation_heatmap,
+    figure_accuracy_vs_budget,
+    figure_failure_modes,
+    figure_throughput_memory,
+)
 from vase.analysis.labels import MISSING
 from vase.analysis.load import find_run_dirs, load_tree
 from vase.analysis.load import resolve_budget as analysis_resolve_budget
 from vase.analysis.report import build_report
-from vase.analysis.tables import accuracy_table, paper_tables, to_latex, to_markdown, write_table
+from vase.analysis.tables import (
+    accuracy_table,
+    efficiency_table,
+    failure_table,
+    paper_tables,
+    to_latex,
+    to_markdown,
+    write_table,
+)
 
 TARGETS = {
     "full": "vase.engine.policy.FullCache",
@@ -42,6 +56,10 @@ TARGETS = {
     "random": "baselines.random.RandomEviction",
 }
 KINDS = {"full": "none"}
+
+
+BYTES_PER_TOKEN = 100  # K/V bytes of one token over every layer in the synthetic runs
+PROMPT_TOKENS = 10
 
 
 def make_run(
@@ -54,6 +72,7 @@ def make_run(
     *,
     classes: list[str] | None = None,
     tokens: list[int] | None = None,
+    finish: list[str] | None = None,
     complete: bool = True,
     torn: bool = False,
     params: dict | None = None,
@@ -64,13 +83,23 @@ def make_run(
     model: str = "m",
     group: str | None = "sweep-a",
     decode_seconds: list[float] | None = None,
+    throughput: bool = True,
 ) -> Path:
-    """Write one synthetic run directory in the runner's format."""
+    """Write one synthetic run directory in the runner's format (``vase.run.records``: ``samples.jsonl`` and one
+    ``throughput.jsonl`` line per problem, as if each problem had decoded in its own stretch).
+
+    Per sample: prompt 10 tokens, ``tokens[i]`` output tokens (default 100), finish reason ``finish[i]`` (default
+    ``length`` for a ``truncated`` class, else ``eos``), an evicting policy holds ``min(total, budget)`` tokens at the
+    end, 100 bytes per token, evictions ``1 + sample`` (0 for the full cache). Per problem ``j`` (a throughput line):
+    rows = its samples, 500 · budget allocated bytes per row, decode seconds ``decode_seconds[j]`` (default 1), peak
+    memory ``2**30 + j``.
+    """
     d = root / dirname
     d.mkdir(parents=True)
     pol = {"_target_": TARGETS[policy], "budget": budget, "window": window}
     if policy != "full":
         pol.update({"sinks": 0} | (params or {}))
+    evicts = KINDS.get(policy, "eviction") == "eviction"
     task_cfg = {"_target_": "tasks.x.X", "name": task, "n_samples": 2}
     if reference is not None:
         task_cfg["reference_output_tokens"] = {"default": reference}
@@ -86,10 +115,18 @@ def make_run(
     }
     (d / "config.yaml").write_text(yaml.safe_dump(config))
     (d / "protocol.json").write_text(json.dumps({"policy": {"name": policy, "kind": KINDS.get(policy, "eviction")}}))
-    rows, batches = [], []
+    rows, lines = [], []
     i = 0
     for j, (pid, cs) in enumerate(correct.items()):
         for s, c in enumerate(cs):
+            cls = (classes or [])[i] if classes else "ok"
+            reason = (finish or [])[i] if finish else ("length" if cls == "truncated" else "eos")
+            if reason in ("nonfinite", "prompt_too_long"):
+                cls = reason
+            n_out = 0 if reason == "prompt_too_long" else ((tokens or [])[i] if tokens else 100)
+            total = PROMPT_TOKENS + n_out
+            held = min(total, budget) if evicts else total
+            n_evict = 1 + s if evicts and n_out else 0
             rows.append(
                 {
                     "problem_id": pid,
@@ -98,38 +135,47 @@ def make_run(
                     "output": "x",
                     "extracted": "1" if c else None,
                     "correct": bool(c),
-                    "truncated": False,
                     "grade_detail": "",
-                    "loop_class": (classes or [])[i] if classes else "ok",
-                    "finish_reason": "eos",
-                    "prompt_tokens": 10,
-                    "output_tokens": (tokens or [])[i] if tokens else 100,
-                    "budget": budget,
-                    "held_tokens_end": 50,
-                    "compression_ratio": 2.0,
-                    "prefill_seconds": 0.1,
-                    "batch_decode_seconds": 1.0,
+                    "finish_reason": reason,
+                    "error": "non-finite logits" if reason == "nonfinite" else None,
+                    "cut_by_limit": reason == "length",
+                    "cut_in_thinking": cls == "truncated",
+                    "loop_class": cls,
+                    "prompt_tokens": PROMPT_TOKENS,
+                    "output_tokens": n_out,
+                    "budget": budget if policy != "full" else None,
+                    "held_tokens_end": held,
+                    "held_tokens_mean": 40.0 if n_out else float(PROMPT_TOKENS),
+                    "compression_ratio": total / held,
+                    "kv_held_bytes_end": held * BYTES_PER_TOKEN,
+                    "kv_full_bytes_end": total * BYTES_PER_TOKEN,
+                    "decode_steps": max(0, n_out - 1),
+                    "evictions": n_evict,
+                    "eviction_seconds": 0.01 * n_evict,
+                    "attended_tokens": None,
                     "meta": {},
                 }
             )
             i += 1
-        n_out = sum(r["output_tokens"] for r in rows if r["problem_id"] == pid)
-        batches.append(
+        mine = [r for r in rows if r["problem_id"] == pid]
+        dec = decode_seconds[j] if decode_seconds else 1.0
+        lines.append(
             {
-                "problem_id": pid,
-                "samples": list(range(len(cs))),
-                "prompt_tokens": 10,
-                "output_tokens": n_out,
+                "prefills": 1,
+                "prefill_tokens": PROMPT_TOKENS,
                 "prefill_seconds": 0.1,
-                "decode_seconds": decode_seconds[j] if decode_seconds else 1.0,
-                "evictions": 3,
-                "eviction_seconds": 0.01,
-                "kv_cache_bytes": 1000 * budget,
-                "kv_cache_bytes_full": 500000,
-                "aux_bytes": 0,
-                "attended_tokens": None,
-                "held_tokens": 40.0,
+                "decode_steps": max(r["decode_steps"] for r in mine),
+                "row_steps": sum(r["decode_steps"] for r in mine),
+                "tokens": sum(r["output_tokens"] for r in mine),
+                "decode_seconds": dec,
+                "samples": len(mine),
+                "rows": len(mine),
+                "wall_seconds": dec + 0.1,
+                "kv_allocated_bytes": 500 * budget * len(mine),
+                "kv_allocated_bytes_per_row": 500 * budget,
+                "capacity_per_row": budget + window,
                 "peak_memory_bytes": 2**30 + j,
+                "time": 1.7e9 + j,
             }
         )
     with open(d / "samples.jsonl", "w") as f:
@@ -137,9 +183,10 @@ def make_run(
             f.write(json.dumps(r) + "\n")
         if torn:
             f.write('{"problem_id": "p1", "sample": 1, "corr')
-    with open(d / "batches.jsonl", "w") as f:
-        for b in batches:
-            f.write(json.dumps(b) + "\n")
+    if throughput:
+        with open(d / "throughput.jsonl", "w") as f:
+            for line in lines:
+                f.write(json.dumps(line) + "\n")
     if complete:
         metrics = {
             "policy": policy,
@@ -229,9 +276,24 @@ def test_summary_values_hand_computed(tree_dir: Path):
     assert r["ok_rate"] == pytest.approx(100 * 2 / 6)
     assert r["answered_rate"] == pytest.approx(100 / 6)
     assert r["mean_output_tokens"] == pytest.approx(350.0)
-    assert r["decode_tokens_per_second"] == pytest.approx(2100 / 6)
-    assert r["kv_cache_bytes"] == 64000 and r["peak_memory_bytes"] == 2**30 + 2
+    assert r["decode_tokens_per_second"] == pytest.approx(2100 / 6)  # Σ tokens / Σ decode seconds
+    assert r["kv_allocated_bytes"] == 64000 and r["peak_memory_bytes"] == 2**30 + 2
     assert r["evictions"] == 9 and r["complete"]
+    # per-sample quantities (samples.jsonl): outputs 100..600 + a 10-token prompt, B = 64, 100 bytes per token
+    assert r["kv_held_bytes_mean"] == pytest.approx(64 * 100)  # every sample is longer than the budget
+    assert r["kv_full_bytes_mean"] == pytest.approx(360 * 100) and r["kv_full_bytes_max"] == 610 * 100
+    assert r["compression_ratio"] == pytest.approx(360 / 64)
+    assert r["eviction_seconds"] == pytest.approx(0.09) and r["held_tokens"] == pytest.approx(40.0)
+    assert r["cut_by_limit_rate"] == pytest.approx(100 / 6) and r["cut_in_thinking_rate"] == pytest.approx(100 / 6)
+    assert r["nonfinite_rate"] == 0 and r["prompt_too_long_rate"] == 0
+    # wall-clock quantities (throughput.jsonl, one line per problem): 2 rows each, 500 * 64 bytes per row
+    assert r["rows_in_flight"] == 2 and r["kv_allocated_bytes_per_row"] == 32000
+    steps = [99, 199, 299, 399, 499, 599]  # decode steps per sample (the first token comes from the prefill)
+    assert r["rows_in_flight_mean"] == pytest.approx(sum(steps) / (199 + 399 + 599))
+    assert r["prefill_seconds"] == pytest.approx(0.1) and r["decode_seconds"] == pytest.approx(6.0)
+    full = row(s, "gsm8k", "full", "full")
+    assert full["compression_ratio"] == 1.0 and full["evictions"] == 0
+    assert full["kv_held_bytes_mean"] == full["kv_full_bytes_mean"] == pytest.approx(110 * 100)
     half = row(s, "gsm8k", "vase_attnv", "B=64")
     assert not half["complete"] and half["samples"] == 3 and half["problems"] == 2
     # full cache first, then the paper order
@@ -348,6 +410,29 @@ def test_tables_written_and_csv_values(tree_dir: Path, tmp_path: Path):
     fail = pd.read_csv(out / "failures_m_B64.csv")
     snap = fail[(fail["task"] == "gsm8k") & (fail["policy"] == "snapkv")].iloc[0]
     assert snap["loop_rate"] == pytest.approx(100 / 3)
+    assert "nonfinite_rate" not in fail and "prompt_too_long_rate" not in fail  # no such sample in this tree
+    eff = efficiency_table(s, "m", "B=64")
+    assert list(eff.display.columns) == [
+        "Task",
+        "Method",
+        "Budget",
+        "Compression",
+        "Decode tok/s",
+        "Rows in flight",
+        "Mean rows",
+        "Allocated KV MiB",
+        "KV held / sample MiB",
+        "Full KV / sample MiB",
+        "Peak GiB",
+        "Evictions",
+    ]
+    disp = eff.display.set_index(["Task", "Method"]).loc[("GSM8K", "SnapKV")]
+    assert (disp["Decode tok/s"], disp["Rows in flight"], disp["Compression"]) == ("350.0", "2", "5.62×")
+    assert disp["Allocated KV MiB"] == f"{64000 / 2**20:.1f}" and disp["KV held / sample MiB"] == f"{6400 / 2**20:.2f}"
+    assert disp["Full KV / sample MiB"] == f"{36000 / 2**20:.2f}" and disp["Peak GiB"] == "1.00"
+    csv = pd.read_csv(out / "efficiency_m_B64.csv")
+    snap = csv[(csv["task"] == "gsm8k") & (csv["policy"] == "snapkv")].iloc[0]
+    assert snap["kv_allocated_bytes"] == 64000 and snap["kv_full_bytes_mean"] == pytest.approx(36000)
 
 
 def test_report_renders_every_figure(tree_dir: Path, tmp_path: Path):
@@ -411,7 +496,7 @@ def test_metrics_only_run(tmp_path: Path):
     root = tmp_path / "m"
     d = make_run(root, "a", "gsm8k", "snapkv", 64, {"p0": [1, 0]})
     (d / "samples.jsonl").unlink()
-    (d / "batches.jsonl").unlink()
+    (d / "throughput.jsonl").unlink()
     saved = {
         "policy": "snapkv",
         "task": "gsm8k",
@@ -434,6 +519,31 @@ def test_metrics_only_run(tmp_path: Path):
     assert (r["accuracy"], r["accuracy_se"], r["loop_rate"], r["ok_rate"]) == pytest.approx((40, 5, 10, 70))
     assert r["samples"] == 40 and r["complete"] and math.isnan(r["decode_tokens_per_second"])
     assert {t.name for t in paper_tables(s)} >= {"summary", "accuracy_m_B64"}
+    res = FigureResult()
+    figure_throughput_memory(s, res)
+    assert "no throughput.jsonl" in dict(res.skipped)["throughput_memory_m"]
+    # with the runner's efficiency metrics saved, they are taken as saved too (decode seconds weight the tok/s)
+    d2 = make_run(root, "b", "gsm8k", "snapkv", 64, {"p0": [1, 0]}, seed=1)
+    (d2 / "samples.jsonl").unlink()
+    (d2 / "throughput.jsonl").unlink()
+    eff = {
+        "decode_tokens_per_second": 20.0,
+        "decode_seconds": 30.0,
+        "kv_allocated_bytes": 4096,
+        "rows_in_flight": 8,
+        "kv_held_bytes_mean": 100.0,
+        "kv_full_bytes_mean": 400.0,
+        "peak_memory_bytes": 2**31,
+        "evictions": 7,
+        "nonfinite_samples": 2,
+    }
+    (d2 / "metrics.json").write_text(json.dumps({**saved, **eff}))
+    (d / "metrics.json").write_text(json.dumps({**saved, "decode_tokens_per_second": 10.0, "decode_seconds": 10.0}))
+    r = row(summarize(load_tree(root)), "gsm8k", "snapkv", "B=64")
+    assert r["decode_tokens_per_second"] == pytest.approx((10 * 10 + 20 * 30) / 40)
+    assert (r["kv_allocated_bytes"], r["rows_in_flight"], r["peak_memory_bytes"], r["evictions"]) == (4096, 8, 2**31, 7)
+    assert r["kv_held_bytes_mean"] == pytest.approx(100.0) and r["samples"] == 80
+    assert r["nonfinite_rate"] == pytest.approx(100 * 2 / 80) and r["ok_rate"] == pytest.approx(70 - 2.5)
 
 
 def test_errors(tmp_path: Path):
@@ -466,3 +576,189 @@ def test_report_script_and_wandb_offline(tmp_path: Path, monkeypatch):
     assert (out / "tables" / "accuracy_m_B64.tex").exists()
     assert report.main([str(tmp_path / "missing"), "--wandb", "disabled"]) == 2
     assert os.environ["WANDB_MODE"] == "offline"
+
+
+def test_samples_not_decoded_to_the_end_are_their_own_classes(tmp_path: Path):
+    """nonfinite / prompt_too_long samples get their own rates (never loops), appear in the failure table and figure
+    only when present, and stay out of the per-sample KV means (as in the runner's metrics)."""
+    root = tmp_path / "nd"
+    make_run(root, "full", "gsm8k", "full", 64, {"p0": [1, 1], "p1": [1, 0]})
+    make_run(
+        root,
+        "snap",
+        "gsm8k",
+        "snapkv",
+        64,
+        {"p0": [1, 0], "p1": [0, 0]},
+        classes=["ok", "loop", "ok", "ok"],
+        tokens=[100, 200, 300, 400],
+        finish=["eos", "eos", "nonfinite", "prompt_too_long"],
+    )
+    s = summarize(load_tree(root))
+    r = row(s, "gsm8k", "snapkv", "B=64")
+    assert (r["loop_rate"], r["nonfinite_rate"], r["prompt_too_long_rate"], r["ok_rate"]) == (25, 25, 25, 25)
+    assert (r["nonfinite_samples"], r["prompt_too_long_samples"]) == (1, 1)
+    assert r["kv_held_bytes_mean"] == pytest.approx(6400)  # the two decoded samples only
+    assert r["kv_full_bytes_mean"] == pytest.approx((110 + 210) / 2 * 100)
+    t = failure_table(s, "m", "B=64")
+    assert list(t.display.columns)[3:9] == ["Loop %", "Garbage %", "Truncated %", "OK %", "Non-finite %"] + [
+        "Prompt too long %"
+    ]
+    d = t.data.set_index("policy")
+    assert d.loc["snapkv", "nonfinite_rate"] == 25 and d.loc["full", "nonfinite_rate"] == 0
+    assert any("Never counted as a loop" in n and "Prompt too long:" in n for n in t.notes)
+    res = FigureResult()
+    figure_failure_modes(s, res)
+    (ax,) = [a for a in res.figures["failure_modes_m_B64"].axes if a.get_visible()]
+    assert [h.get_label() for h in ax.get_legend_handles_labels()[0]] == [
+        "loop",
+        "garbage",
+        "truncated",
+        "ok",
+        "nonfinite",
+        "prompt_too_long",
+    ]
+    # without such samples the table and the figure keep the four classes
+    clean = s[s["policy"] == "full"]
+    assert "Non-finite %" not in failure_table(clean, "m", "full").display.columns
+    res = FigureResult()
+    figure_failure_modes(clean, res)
+    (ax,) = [a for a in res.figures["failure_modes_m_full"].axes if a.get_visible()]
+    assert [h.get_label() for h in ax.get_legend_handles_labels()[0]] == ["loop", "garbage", "truncated", "ok"]
+
+
+def test_summary_agrees_with_the_runners_metrics(tmp_path: Path):
+    """One run's summary row equals the runner's compute_metrics on the same directory (rates in %)."""
+    from vase.run.records import compute_metrics
+
+    d = make_run(
+        tmp_path,
+        "run",
+        "gsm8k",
+        "snapkv",
+        64,
+        {"p0": [1, 0, 1], "p1": [0, 0, 1], "p2": [1, 1, 0]},
+        classes=["ok", "loop", "truncated", "garbage", "ok", "ok", "ok", "ok", "ok"],
+        tokens=[30, 200, 300, 400, 50, 60, 700, 80, 90],
+        finish=["eos", "eos", "length", "eos", "nonfinite", "eos", "eos", "prompt_too_long", "eos"],
+        decode_seconds=[1.5, 2.0, 0.5],
+    )
+    m = compute_metrics(d, ["p0", "p1", "p2"], 3, {}, [1])
+    r = row(summarize(load_tree(tmp_path)), "gsm8k", "snapkv", "B=64")
+    pct = {"accuracy": "accuracy", "accuracy_se": "accuracy_stderr", "answered_rate": "answered_rate"}
+    pct |= {f"{c}_rate": f"{c}_rate" for c in ("loop", "garbage", "nonfinite", "cut_by_limit", "cut_in_thinking")}
+    pct["truncated_rate"] = "truncation_rate"
+    for ours, theirs in pct.items():
+        assert r[ours] == pytest.approx(100 * m[theirs]), ours
+    same = [
+        "samples",
+        "problems",
+        "nonfinite_samples",
+        "prompt_too_long_samples",
+        "mean_output_tokens",
+        "compression_ratio",
+        "evictions",
+        "eviction_seconds",
+        "kv_held_bytes_mean",
+        "kv_full_bytes_mean",
+        "kv_full_bytes_max",
+        "held_tokens",
+        "decode_tokens_per_second",
+        "decode_seconds",
+        "wall_seconds",
+        "prefill_seconds",
+        "rows_in_flight",
+        "rows_in_flight_mean",
+        "kv_allocated_bytes",
+        "kv_allocated_bytes_per_row",
+        "peak_memory_bytes",
+    ]
+    for key in same:
+        assert r[key] == pytest.approx(m[key]), key
+    assert m["nonfinite_samples"] == 1 and m["kv_held_bytes_mean"] < m["kv_full_bytes_mean"]
+
+
+def test_make_run_writes_the_runners_sample_schema(tmp_path: Path):
+    """The synthetic samples carry exactly the keys of the runner's sample row (vase.run.records.sample_row)."""
+    from types import SimpleNamespace
+
+    from vase.run.records import sample_row
+
+    stats = {"held_tokens": 40.0, "decode_steps": 4, "evictions": 1, "eviction_seconds": 0.01, "attended_tokens": None}
+    finished = SimpleNamespace(finish_reason="eos", prompt_len=10, tokens=[1] * 5, stats=stats, sample=0, seed=1)
+    grade = SimpleNamespace(extracted="1", correct=True, detail="", truncated=False)
+    real = sample_row(
+        SimpleNamespace(id="p0", meta={}),
+        finished,
+        "x",
+        grade,
+        thinking=False,
+        budget=64,
+        window=32,
+        evicts=True,
+        bytes_per_token=100,
+        max_length=100,
+    )
+    d = make_run(tmp_path, "r", "gsm8k", "snapkv", 64, {"p0": [1]})
+    ours = json.loads((d / "samples.jsonl").read_text().splitlines()[0])
+    assert set(ours) == set(real)
+
+
+def test_run_written_before_continuous_batching_loads_with_a_warning(tmp_path: Path, caplog):
+    d = make_run(tmp_path, "old", "gsm8k", "snapkv", 64, {"p0": [1, 0]}, throughput=False)
+    (d / "batches.jsonl").write_text(json.dumps({"problem_id": "p0", "kv_cache_bytes": 1}) + "\n")
+    with caplog.at_level("WARNING"):
+        r = row(summarize(load_tree(tmp_path)), "gsm8k", "snapkv", "B=64")
+    assert "batches.jsonl" in caplog.text and "throughput.jsonl" in caplog.text
+    assert r["accuracy"] == 50.0 and math.isnan(r["decode_tokens_per_second"]) and math.isnan(r["kv_allocated_bytes"])
+
+
+@pytest.mark.slow
+def test_report_of_a_real_run_directory(tmp_path: Path):
+    """The real runner on a tiny random model (2 problems x 2 samples), then the report: the efficiency table holds
+    the runner's own metrics.json numbers."""
+    from hydra import compose, initialize_config_dir
+
+    from vase.run.runner import run
+
+    overrides = ["model=tiny", "logger=none", "limit=2", "n_samples=2", "budget=32", "window=16"]
+    overrides += ["generation.max_length=120", "progress=false", f"results_dir={tmp_path / 'results'}"]
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    metrics = run(cfg, progress=False)
+    report = build_report(tmp_path / "results", tmp_path / "report", formats=("png",))
+    (eff,) = [t for t in report.tables if t.name.startswith("efficiency_")]
+    r = eff.data.iloc[0]
+    for key in ("decode_tokens_per_second", "rows_in_flight", "kv_allocated_bytes", "kv_held_bytes_mean"):
+        assert r[key] == pytest.approx(metrics[key]), key
+    assert r["kv_full_bytes_mean"] == pytest.approx(metrics["kv_full_bytes_mean"])
+    assert r["peak_memory_bytes"] == metrics["peak_memory_bytes"] and r["compression_ratio"] > 1
+    assert "throughput_memory_tiny" in {p.stem for p in report.figure_paths}
+
+
+def test_throughput_memory_figure_draws_the_summary(tree_dir: Path):
+    """One bar per (policy, operating point) and task in each panel, at the summary's values."""
+    s = summarize(load_tree(tree_dir))
+    res = FigureResult()
+    figure_throughput_memory(s, res)
+    axes = [a for a in res.figures["throughput_memory_m"].axes if a.get_visible()]
+    assert [a.get_title().split(" (")[0].split(":")[0] for a in axes] == [
+        "decode tokens / s",
+        "rows in flight",
+        "allocated KV, static",
+        "KV per sample",
+        "peak memory",
+        "compression",
+    ]
+    ticks = [t.get_text().replace("\n", " ") for t in axes[0].get_xticklabels()]
+    assert ticks == ["Full cache", "SnapKV (B=64)", "SnapKV (B=128)", "VaSE-AttnV (B=64)", "VaSE-AttnV (B=128)"]
+
+    def bars(ax, label: str) -> list[float]:
+        (c,) = [c for c in ax.containers if c.get_label() == label]
+        return [p.get_height() for p in c.patches]
+
+    # GSM8K: 600 tokens / 3 s (full), 2100 / 6 (B=64), 1800 / 3 (B=128), 300 / 2 (VaSE, torn run), no VaSE at B=128
+    assert bars(axes[0], "GSM8K") == pytest.approx([200, 350, 600, 150, float("nan")], nan_ok=True)
+    assert bars(axes[2], "GSM8K")[:3] == pytest.approx([64000 / 2**20, 64000 / 2**20, 128000 / 2**20])
+    assert bars(axes[3], "GSM8K")[:2] == pytest.approx([110 * 100 / 2**20, 64 * 100 / 2**20])  # held per sample
+    assert bars(axes[5], "MATH")[:2] == pytest.approx([1.0, 110 / 64])

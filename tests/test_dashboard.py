@@ -62,11 +62,15 @@ def test_run_panels_bind_to_what_the_runner_logs(tmp_path: Path):
     from vase.run.runner import compute_metrics
 
     run = make_run(tmp_path, "run", "gsm8k", "snapkv", 64, {f"p{i}": [1, 0] * 8 for i in range(3)})
-    info = {"policy": "snapkv", "task": "gsm8k", "model": "m", "budget": 64, "window": 32, "ratio": 4}
+    info = {"policy": "snapkv", "policy_kind": "eviction", "task": "gsm8k", "model": "m"}  # as the runner's info
+    info |= {"budget_source": "explicit", "budget": 64, "window": 32, "ratio": 4, "run_dir": str(run)}
     logged = set(compute_metrics(run, ["p0", "p1", "p2"], 16, info, [1, 2, 4, 8, 16]))
     structure = D.outline(D.build_report("ent", "proj", "g"))
     summary_keys = set(_binds(structure, "summary:"))
     assert {"accuracy", "loop_rate", "decode_tokens_per_second", "peak_memory_bytes", "pass@16"} <= summary_keys
+    # the efficiency section tells the static allocation apart from what the outputs needed
+    assert {"kv_allocated_bytes", "kv_held_bytes_mean", "kv_full_bytes_mean", "rows_in_flight"} <= summary_keys
+    assert {"nonfinite_rate", "prompt_too_long_samples", "cut_by_limit_rate"} <= summary_keys
     assert summary_keys <= logged, f"bound but never logged: {summary_keys - logged}"
     assert set(D.RUN_SUMMARY_KEYS) <= logged
 

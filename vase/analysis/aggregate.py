@@ -3,6 +3,15 @@
 * **Accuracy** (pass@1, %): per-problem accuracy (mean over its samples), then mean over problems. Runs of the same
   identity (seeds, shards, resumes) are pooled; a sample is counted once (``problem_id``, ``sample``, ``seed``).
 * **Standard error** (%): ``std(per-problem accuracy, ddof=1) / sqrt(n_problems)``.
+* **Per-sample quantities** (``samples.jsonl``, the runner's :func:`~vase.run.records.compute_metrics` rules):
+  failure-class rates over every sample; evictions and eviction seconds summed; KV held / full-cache bytes per sample
+  and held tokens averaged over the samples decoded to the end (not ``nonfinite`` / ``prompt_too_long``); compression
+  averaged over every sample; attended tokens over the samples that record them (Quest).
+* **Wall-clock quantities** (``throughput.jsonl``, pooled over the lines of the group's runs): decode tokens/s
+  ``= Σ tokens / Σ decode_seconds``; prefill seconds per prefill; rows in flight (max) and their mean per decode step
+  ``Σ row_steps / Σ decode_steps``; the static KV allocation, per row and in all, and peak memory (max).
+* A group with no ``samples.jsonl`` (resp. no ``throughput.jsonl``) takes those numbers from its runs'
+  ``metrics.json``.
 """
 
 from __future__ import annotations
@@ -13,10 +22,41 @@ import math
 import numpy as np
 import pandas as pd
 
-from vase.analysis.labels import LOOP_CLASSES, op_sort_key, policy_sort_key, task_sort_key
+from vase.analysis.labels import (
+    FAILURE_CLASSES,
+    LOOP_CLASSES,
+    NOT_DECODED_CLASSES,
+    op_sort_key,
+    policy_sort_key,
+    task_sort_key,
+)
 from vase.analysis.load import Tree
 
 logger = logging.getLogger(__name__)
+
+# Per-sample efficiency columns of the summary (from samples.jsonl, else metrics.json).
+SAMPLE_EFFICIENCY = (
+    "evictions",
+    "eviction_seconds",
+    "kv_held_bytes_mean",
+    "kv_full_bytes_mean",
+    "kv_full_bytes_max",
+    "held_tokens",
+    "attended_tokens",
+)
+# Wall-clock columns of the summary (from throughput.jsonl, else metrics.json).
+THROUGHPUT_METRICS = (
+    "decode_tokens_per_second",
+    "decode_seconds",
+    "wall_seconds",
+    "prefill_seconds",
+    "rows_in_flight",
+    "rows_in_flight_mean",
+    "kv_allocated_bytes",
+    "kv_allocated_bytes_per_row",
+    "capacity_per_row",
+    "peak_memory_bytes",
+)
 
 
 def per_problem_accuracy(samples: pd.DataFrame) -> pd.Series:
@@ -33,77 +73,146 @@ def accuracy_and_se(samples: pd.DataFrame) -> tuple[float, float]:
     return float(acc.mean()), se
 
 
+def _num(s: pd.DataFrame, col: str) -> pd.Series:
+    return pd.to_numeric(s[col], errors="coerce") if col in s else pd.Series(np.nan, index=s.index)
+
+
+def _mean(x: pd.Series) -> float:
+    x = x.dropna()
+    return float(x.mean()) if len(x) else float("nan")
+
+
+def _flag_rate(s: pd.DataFrame, col: str) -> float:
+    """% of samples with the flag set (NaN when no sample records it, e.g. runs written before the flag existed)."""
+    vals = s[col].dropna() if col in s else pd.Series(dtype=object)
+    return 100 * float(vals.astype(bool).sum()) / len(s) if len(vals) else float("nan")
+
+
 def _group_metrics_from_samples(s: pd.DataFrame) -> dict:
     acc, se = accuracy_and_se(s)
     n = len(s)
     out = {"problems": int(s["problem_id"].nunique()), "samples": n, "accuracy": 100 * acc, "accuracy_se": 100 * se}
     classes = s["loop_class"].fillna("ok")
-    for c in LOOP_CLASSES:
+    for c in FAILURE_CLASSES:
         out[f"{c}_rate"] = 100 * float((classes == c).mean())
+    for c in NOT_DECODED_CLASSES:
+        out[f"{c}_samples"] = int((s["finish_reason"] == c).sum())
+    out["cut_by_limit_rate"] = _flag_rate(s, "cut_by_limit")
+    out["cut_in_thinking_rate"] = _flag_rate(s, "cut_in_thinking")
     out["answered_rate"] = 100 * float(s["answered"].mean())
     out["mean_output_tokens"] = float(s["output_tokens"].mean())
-    out["compression_ratio"] = float(pd.to_numeric(s["compression_ratio"], errors="coerce").mean())
+    out["compression_ratio"] = _mean(_num(s, "compression_ratio"))
+    decoded = s[~s["finish_reason"].isin(NOT_DECODED_CLASSES)]
+    out["evictions"] = float(_num(s, "evictions").sum(min_count=1))
+    out["eviction_seconds"] = float(_num(s, "eviction_seconds").sum(min_count=1))
+    out["kv_held_bytes_mean"] = _mean(_num(decoded, "kv_held_bytes_end"))
+    out["kv_full_bytes_mean"] = _mean(_num(decoded, "kv_full_bytes_end"))
+    full = _num(decoded, "kv_full_bytes_end").dropna()
+    out["kv_full_bytes_max"] = float(full.max()) if len(full) else float("nan")
+    out["held_tokens"] = _mean(_num(decoded, "held_tokens_mean"))
+    out["attended_tokens"] = _mean(_num(s, "attended_tokens"))
     return out
+
+
+def _json_values(ms: list[dict], key: str) -> list[float]:
+    return [float(m[key]) for m in ms if isinstance(m.get(key), (int, float)) and not isinstance(m.get(key), bool)]
+
+
+def _wmean(ms: list[dict], key: str, scale: float = 1.0) -> float:
+    """Mean of ``key`` over ``metrics.json`` files, weighted by their problem counts (NaN when none has it)."""
+    vals = [(float(m[key]), float(m.get("problems") or 0)) for m in ms if isinstance(m.get(key), (int, float))]
+    if not vals:
+        return float("nan")
+    if not sum(w for _, w in vals):
+        vals = [(v, 1.0) for v, _ in vals]
+    return scale * sum(v * w for v, w in vals) / sum(w for _, w in vals)
 
 
 def _group_metrics_from_json(ms: list[dict]) -> dict:
     """Fallback when no run of a group has samples on disk: combine ``metrics.json`` files."""
-    w = np.array([m.get("problems") or 0 for m in ms], dtype=float)
-    w = w if w.sum() else np.ones(len(ms))
-
-    def wmean(key: str, scale: float = 1.0) -> float:
-        vals = [(m.get(key), wi) for m, wi in zip(ms, w) if m.get(key) is not None]
-        if not vals:
-            return float("nan")
-        return scale * sum(v * wi for v, wi in vals) / sum(wi for _, wi in vals)
-
     se = 100 * ms[0]["accuracy_stderr"] if len(ms) == 1 and ms[0].get("accuracy_stderr") is not None else float("nan")
+    n = int(sum(m.get("samples") or 0 for m in ms))
     rates = {"loop": "loop_rate", "garbage": "garbage_rate", "truncated": "truncation_rate"}
     out = {
         "problems": int(sum(m.get("problems") or 0 for m in ms)),
-        "samples": int(sum(m.get("samples") or 0 for m in ms)),
-        "accuracy": wmean("accuracy", 100),
+        "samples": n,
+        "accuracy": _wmean(ms, "accuracy", 100),
         "accuracy_se": se,
     }
     for c, key in rates.items():
-        out[f"{c}_rate"] = wmean(key, 100)
-    out["ok_rate"] = 100 - sum(out[f"{c}_rate"] for c in rates)
-    out["answered_rate"] = wmean("answered_rate", 100)
-    out["mean_output_tokens"] = wmean("mean_output_tokens")
-    out["compression_ratio"] = wmean("compression_ratio")
+        out[f"{c}_rate"] = _wmean(ms, key, 100)
+    for c in NOT_DECODED_CLASSES:  # exact counts (a run that does not record them had none)
+        out[f"{c}_samples"] = int(sum(_json_values(ms, f"{c}_samples")))
+        out[f"{c}_rate"] = 100 * out[f"{c}_samples"] / n if n else 0.0
+    known = [out[f"{c}_rate"] for c in (*rates, *NOT_DECODED_CLASSES)]
+    out["ok_rate"] = 100 - sum(0.0 if math.isnan(r) else r for r in known)
+    out["cut_by_limit_rate"] = _wmean(ms, "cut_by_limit_rate", 100)
+    out["cut_in_thinking_rate"] = _wmean(ms, "cut_in_thinking_rate", 100)
+    out["answered_rate"] = _wmean(ms, "answered_rate", 100)
+    out["mean_output_tokens"] = _wmean(ms, "mean_output_tokens")
+    out["compression_ratio"] = _wmean(ms, "compression_ratio")
+    for key in ("evictions", "eviction_seconds"):
+        vals = _json_values(ms, key)
+        out[key] = float(sum(vals)) if vals else float("nan")
+    for key in ("kv_held_bytes_mean", "kv_full_bytes_mean", "held_tokens", "attended_tokens"):
+        out[key] = _wmean(ms, key)
+    full = _json_values(ms, "kv_full_bytes_max")
+    out["kv_full_bytes_max"] = max(full) if full else float("nan")
     return out
 
 
-_BATCH_METRICS = (
-    "kv_cache_bytes",
-    "kv_cache_bytes_full",
-    "peak_memory_bytes",
-    "decode_tokens_per_second",
-    "prefill_seconds",
-    "evictions",
-    "eviction_seconds",
-    "attended_tokens",
-    "held_tokens",
-)
+def _throughput_metrics(t: pd.DataFrame) -> dict:
+    """The wall-clock columns from ``throughput.jsonl`` lines (the rules of the module docstring)."""
+    if t.empty:
+        return dict.fromkeys(THROUGHPUT_METRICS, float("nan"))
 
+    def total(col: str) -> float:
+        return float(_num(t, col).sum(min_count=1))
 
-def _batch_metrics(b: pd.DataFrame) -> dict:
-    if b.empty:
-        return dict.fromkeys(_BATCH_METRICS, float("nan"))
-    num = b.apply(pd.to_numeric, errors="coerce")
-    dec = num["decode_seconds"].sum()
-    att = num["attended_tokens"].dropna()
+    def top(col: str) -> float:
+        x = _num(t, col).dropna()
+        return float(x.max()) if len(x) else float("nan")
+
+    def ratio(a: float, b: float) -> float:
+        return a / b if b and not math.isnan(a) and not math.isnan(b) else float("nan")
+
     return {
-        "kv_cache_bytes": float(num["kv_cache_bytes"].max()),
-        "kv_cache_bytes_full": float(num["kv_cache_bytes_full"].max()),
-        "peak_memory_bytes": float(num["peak_memory_bytes"].max()),
-        "decode_tokens_per_second": float(num["output_tokens"].sum() / dec) if dec else float("nan"),
-        "prefill_seconds": float(num["prefill_seconds"].mean()),
-        "evictions": float(num["evictions"].sum()),
-        "eviction_seconds": float(num["eviction_seconds"].sum()),
-        "attended_tokens": float(att.mean()) if len(att) else float("nan"),
-        "held_tokens": float(num["held_tokens"].mean()),
+        "decode_tokens_per_second": ratio(total("tokens"), total("decode_seconds")),
+        "decode_seconds": total("decode_seconds"),
+        "wall_seconds": total("wall_seconds"),
+        "prefill_seconds": ratio(total("prefill_seconds"), total("prefills")),
+        "rows_in_flight": top("rows"),
+        "rows_in_flight_mean": ratio(total("row_steps"), total("decode_steps")),
+        "kv_allocated_bytes": top("kv_allocated_bytes"),
+        "kv_allocated_bytes_per_row": top("kv_allocated_bytes_per_row"),
+        "capacity_per_row": top("capacity_per_row"),
+        "peak_memory_bytes": top("peak_memory_bytes"),
     }
+
+
+def _throughput_from_json(ms: list[dict]) -> dict:
+    """Fallback when no run of a group has ``throughput.jsonl``: combine the wall-clock numbers of ``metrics.json``."""
+    out = dict.fromkeys(THROUGHPUT_METRICS, float("nan"))
+    for key in ("rows_in_flight", "kv_allocated_bytes", "kv_allocated_bytes_per_row", "peak_memory_bytes"):
+        vals = _json_values(ms, key)
+        out[key] = max(vals) if vals else float("nan")
+    for key in ("decode_seconds", "wall_seconds"):
+        vals = _json_values(ms, key)
+        out[key] = float(sum(vals)) if vals else float("nan")
+    for key in ("prefill_seconds", "rows_in_flight_mean"):
+        out[key] = _wmean(ms, key)
+    timed = [m for m in ms if _json_values([m], "decode_tokens_per_second") and _json_values([m], "decode_seconds")]
+    if timed and len(timed) == len(_json_values(ms, "decode_tokens_per_second")):  # tokens = tok/s × seconds
+        seconds = sum(m["decode_seconds"] for m in timed)
+        tokens = sum(m["decode_tokens_per_second"] * m["decode_seconds"] for m in timed)
+        out["decode_tokens_per_second"] = tokens / seconds if seconds else float("nan")
+    else:
+        out["decode_tokens_per_second"] = _wmean(ms, "decode_tokens_per_second")
+    return out
+
+
+def _group_throughput(t: pd.DataFrame, saved: list[dict]) -> dict:
+    return _throughput_metrics(t) if not t.empty else _throughput_from_json(saved)
 
 
 def summarize(tree: Tree) -> pd.DataFrame:
@@ -111,10 +220,10 @@ def summarize(tree: Tree) -> pd.DataFrame:
 
     Columns: ``model``, ``task``, ``policy``, ``method``, ``policy_name``, ``params``, ``op`` (NaN for the full
     cache), ``op_kind``, ``budget`` (the budgets, as text), ``ratio``, ``runs``, ``seeds``, ``complete``, ``problems``,
-    ``samples``, ``accuracy`` and ``accuracy_se`` (%), ``{loop,garbage,truncated,ok}_rate`` and ``answered_rate``
-    (%), ``mean_output_tokens``, ``compression_ratio``, ``kv_cache_bytes``, ``kv_cache_bytes_full``,
-    ``peak_memory_bytes``, ``decode_tokens_per_second``, ``prefill_seconds``, ``evictions``, ``eviction_seconds``,
-    ``attended_tokens``, ``held_tokens``, ``run_dirs``.
+    ``samples``, ``accuracy`` and ``accuracy_se`` (%), ``{loop,garbage,truncated,ok,nonfinite,prompt_too_long}_rate``,
+    ``cut_by_limit_rate``, ``cut_in_thinking_rate`` and ``answered_rate`` (%), ``nonfinite_samples``,
+    ``prompt_too_long_samples``, ``mean_output_tokens``, ``compression_ratio``, :data:`SAMPLE_EFFICIENCY`,
+    :data:`THROUGHPUT_METRICS`, ``run_dirs``.
     """
     runs = tree.runs
     rows = []
@@ -123,8 +232,9 @@ def summarize(tree: Tree) -> pd.DataFrame:
         s = tree.samples[tree.samples["run_id"].isin(ids)]
         s = s.drop_duplicates(subset=["problem_id", "sample", "seed"], keep="first")
         with_samples = set(s["run_id"])
+        saved = [tree.metrics[i] for i in sorted(ids) if i in tree.metrics]
         if s.empty:
-            m = _group_metrics_from_json([tree.metrics[i] for i in sorted(ids) if i in tree.metrics])
+            m = _group_metrics_from_json(saved)
         else:
             if with_samples != ids:
                 logger.warning(
@@ -160,7 +270,7 @@ def summarize(tree: Tree) -> pd.DataFrame:
             "seeds": len(set(grp["seed"])),
             "complete": bool(grp["complete"].all()),
             **m,
-            **_batch_metrics(tree.batches[tree.batches["run_id"].isin(ids)]),
+            **_group_throughput(tree.throughput[tree.throughput["run_id"].isin(ids)], saved),
             "run_dirs": ";".join(grp["run_dir"]),
         }
         rows.append(row)
@@ -175,6 +285,13 @@ def summarize(tree: Tree) -> pd.DataFrame:
         ),
     )
     return out.loc[order].reset_index(drop=True)
+
+
+def present_classes(sub: pd.DataFrame) -> list[str]:
+    """The failure classes to show for these summary rows: loop / garbage / truncated / ok always, ``nonfinite`` and
+    ``prompt_too_long`` (samples not decoded to the end) only when one of the rows has such a sample."""
+    extra = [c for c in NOT_DECODED_CLASSES if f"{c}_rate" in sub and (sub[f"{c}_rate"].fillna(0) > 0).any()]
+    return [*LOOP_CLASSES, *extra]
 
 
 def operating_points(summary: pd.DataFrame, model: str) -> list[str]:

@@ -4,7 +4,8 @@ One section per paper table and figure (:data:`SECTIONS`). Each holds
 
 * live panels over the sweep's own runs (``group = <sweep>``, ``job_type != summary``), bound to what the runner
   logs: the run summary is ``metrics.json`` (``accuracy``, ``pass@k``, ``loop_rate``, ``decode_tokens_per_second``,
-  ``kv_cache_bytes``, ``peak_memory_bytes``, ``budget``, ...: :data:`RUN_SUMMARY_KEYS`) and the run config is the
+  ``kv_allocated_bytes``, ``kv_held_bytes_mean``, ``rows_in_flight``, ``peak_memory_bytes``, ``budget``, ...:
+  :data:`RUN_SUMMARY_KEYS`, defined in :mod:`vase.run.records`) and the run config is the
   resolved Hydra config (``policy._target_``, ``policy.n_protect``, ``ratio``, ...: :data:`RUN_CONFIG_KEYS`);
 * the report's panels from its summary run (``job_type = summary``, written by ``scripts/report.py --wandb``): the
   tables, figures and native charts it logged, whose keys ``report.json`` lists (:func:`load_manifest`).
@@ -41,12 +42,24 @@ RUN_SUMMARY_KEYS = (
     "loop_rate",
     "garbage_rate",
     "truncation_rate",
+    "nonfinite_rate",
+    "cut_by_limit_rate",
+    "cut_in_thinking_rate",
+    "nonfinite_samples",
+    "prompt_too_long_samples",
     "mean_output_tokens",
     "compression_ratio",
-    "kv_cache_bytes",
-    "kv_cache_bytes_full",
+    "kv_allocated_bytes",
+    "kv_allocated_bytes_per_row",
+    "kv_held_bytes_mean",
+    "kv_full_bytes_mean",
+    "kv_full_bytes_max",
+    "rows_in_flight",
+    "rows_in_flight_mean",
     "peak_memory_bytes",
     "prefill_seconds",
+    "decode_seconds",
+    "wall_seconds",
     "decode_tokens_per_second",
     "evictions",
     "eviction_seconds",
@@ -101,7 +114,13 @@ def _main_table(wr: Any) -> list:
 def _failures(wr: Any) -> list:
     s = wr.SummaryMetric
     return [
-        _bars(wr, "loop / garbage / truncated rate per policy", ["loop_rate", "garbage_rate", "truncation_rate"]),
+        _bars(
+            wr,
+            "loop / garbage / truncated / non-finite rate per policy",
+            ["loop_rate", "garbage_rate", "truncation_rate", "nonfinite_rate"],
+        ),
+        _bars(wr, "cut by the length limit / inside the thinking", ["cut_by_limit_rate", "cut_in_thinking_rate"]),
+        _bars(wr, "samples not decoded to the end", ["nonfinite_samples", "prompt_too_long_samples"]),
         _bars(wr, "answered rate per policy", ["answered_rate"]),
         _scatter(wr, "pass@1 vs mean output length", s("mean_output_tokens"), s("accuracy")),
     ]
@@ -111,8 +130,18 @@ def _efficiency(wr: Any) -> list:
     s = wr.SummaryMetric
     return [
         _bars(wr, "decode tokens / s per policy", ["decode_tokens_per_second"]),
-        _bars(wr, "allocated KV cache vs the full cache's (bytes)", ["kv_cache_bytes", "kv_cache_bytes_full"]),
+        _bars(wr, "rows in flight (max, mean per decode step)", ["rows_in_flight", "rows_in_flight_mean"]),
+        _bars(wr, "allocated KV storage, static (bytes, all rows)", ["kv_allocated_bytes"]),
+        _bars(
+            wr,
+            "KV held per sample vs a full cache's (bytes, at the sample's end)",
+            ["kv_held_bytes_mean", "kv_full_bytes_mean"],
+        ),
         _bars(wr, "peak memory (bytes)", ["peak_memory_bytes"]),
+        _bars(wr, "compression (full / held tokens)", ["compression_ratio"]),
+        _scatter(
+            wr, "decode tokens / s vs mean rows in flight", s("rows_in_flight_mean"), s("decode_tokens_per_second")
+        ),
         _scatter(wr, "decode tokens / s vs mean output length", s("mean_output_tokens"), s("decode_tokens_per_second")),
         _scatter(wr, "peak memory vs budget", s("budget"), s("peak_memory_bytes")),
     ]
@@ -165,15 +194,17 @@ SECTIONS: tuple[Section, ...] = (
     ),
     Section(
         "Failure modes: loops, garbage, truncation",
-        "Share of samples classified loop / garbage / truncated / ok by the detectors of method.md §4, answered rate "
-        "and output lengths.",
+        "Share of samples classified loop / garbage / truncated / ok by the detectors of method.md §4, the samples "
+        "not decoded to the end (non-finite logits, prompt too long: never counted as loops), the samples cut by the "
+        "length limit, answered rate and output lengths.",
         _failures,
         (r"tables/failures_", r"figures/failure_modes_", r"figures/output_lengths_"),
     ),
     Section(
         "Efficiency: memory and throughput",
-        "Allocated KV-cache bytes against the full cache's, peak memory (CUDA max allocated, or peak RSS on CPU) and "
-        "decode tokens/s (method.md §5).",
+        "Decode tokens/s and rows in flight; the static KV allocation (all rows, fixed when decoding starts) apart "
+        "from what the outputs needed: the KV a sample holds at its end against what a full cache would hold; peak "
+        "memory (CUDA max allocated, or peak RSS on CPU) and compression (method.md §5; docs/analysis.md).",
         _efficiency,
         (r"tables/efficiency_", r"figures/throughput_memory_"),
     ),

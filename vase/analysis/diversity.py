@@ -1,18 +1,17 @@
 """Cache diversity: record which tokens each eviction keeps, and measure how much the kept sets overlap.
 
-Recording (opt-in, during a run)::
+Recording (opt-in, during a run: ``record_kept=true``; :mod:`vase.run.kept_sets`)::
 
-    recorder = KeptSetRecorder(every=1, max_events_per_layer=1)        # the last eviction per layer
-    out = generate(model, ids, policy, n_samples=n, ...,
-                   on_cache=lambda cache: recorder.attach(cache, problem_id=problem.id, samples=missing))
-    recorder.dump(kept_sets_path(run_dir, problem.id))                  # <run_dir>/kept_sets/<problem>.npz
-    recorder.clear()
+    recorder = KeptSetRecorder(every=1, max_events_per_layer=1)        # the last eviction per (sample, layer)
+    dec = Decoder(model, policy, ..., on_cache=recorder.attach)
+    for fin in dec.run(requests):                                       # when a problem's last sample is done:
+        recorder.dump(kept_sets_path(run_dir, fin.key), recorder.take(fin.key))  # <run_dir>/kept_sets/<id>.npz
 
-At each eviction the cache calls ``cache.on_evict(layer, idx, kept_positions)`` with ``kept_positions
-(rows, H, budget - window)``: the absolute positions of the candidates kept. The recorder stores them as sorted int32
-arrays together with the layer, the layer's eviction index (all layers evict at the same decode steps, so equal
-indices are simultaneous) and the sample index of each live row (rows that finish leave the batch: the recorder
-reads ``cache.row_ids``, which the cache keeps in step with ``select_rows``).
+At each eviction the cache calls ``cache.on_evict(layer, row_ids, keep, kept_positions)`` for the rows that evicted
+together, with ``kept_positions (rows, H, budget - window)``: the absolute positions of the candidates kept, and
+``row_ids`` naming each row ``(problem_id, sample)``. The recorder stores them as sorted int32 arrays with the layer
+and the eviction index of that (problem, sample, layer) (a row's index does not depend on the other rows in flight),
+and groups the rows of one (problem, layer, index) into one event.
 
 Analysis: the mean Jaccard overlap ``|A ∩ B| / |A ∪ B|`` of kept sets
 

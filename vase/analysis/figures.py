@@ -18,9 +18,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from vase.analysis.aggregate import at_op, operating_points
+from vase.analysis.aggregate import at_op, operating_points, present_classes
 from vase.analysis.labels import (
-    LOOP_CLASSES,
     LOOP_COLORS,
     MISSING,
     PILOT_ORDER,
@@ -29,6 +28,7 @@ from vase.analysis.labels import (
     TASK_LABELS,
     fmt_value,
     natural_key,
+    op_sort_key,
     policy_sort_key,
     slug,
     task_sort_key,
@@ -157,10 +157,12 @@ def figure_accuracy_vs_budget(summary: pd.DataFrame, res: FigureResult) -> None:
 
 
 def figure_failure_modes(summary: pd.DataFrame, res: FigureResult) -> None:
-    """Per (model, operating point): stacked bars of loop / garbage / truncated / ok per policy, one panel per task."""
+    """Per (model, operating point): stacked bars of loop / garbage / truncated / ok per policy, one panel per task;
+    ``nonfinite`` and ``prompt_too_long`` get their own segments when a sample of the figure has them."""
     for model in sorted(summary["model"].unique()):
         for op in operating_points(summary, model):
             sub = at_op(summary, model, op)
+            classes = present_classes(sub)
             name = f"failure_modes_{slug(model)}_{slug(op)}"
             tasks = sorted(sub["task"].unique(), key=task_sort_key)
             fig, axes = _grid(len(tasks), max(4.6, 0.8 * sub.groupby("task").size().max()), 4.2)
@@ -169,7 +171,7 @@ def figure_failure_modes(summary: pd.DataFrame, res: FigureResult) -> None:
                 ts = ts.iloc[sorted(range(len(ts)), key=lambda i: policy_sort_key(ts["policy"].iloc[i]))]
                 x = np.arange(len(ts))
                 bottom = np.zeros(len(ts))
-                for c in LOOP_CLASSES:
+                for c in classes:
                     vals = ts[f"{c}_rate"].fillna(0).to_numpy()
                     ax.bar(x, vals, bottom=bottom, color=LOOP_COLORS[c], label=c, width=0.75)
                     bottom += vals
@@ -220,46 +222,72 @@ def figure_output_lengths(tree: Tree, summary: pd.DataFrame, res: FigureResult) 
             res.figures[name] = fig
 
 
-def figure_throughput_memory(tree: Tree, res: FigureResult) -> None:
-    """Per model: decode throughput, peak memory and KV-cache bytes vs output length per row, per policy."""
-    b = tree.batches.merge(tree.runs[["run_id", "model", "policy", "short", "op", "op_kind", "op_value"]], on="run_id")
-    if b.empty:
-        res.skip("throughput_memory", "no batches.jsonl")
-        return
-    b = b.assign(
-        out_len=pd.to_numeric(b["output_tokens"], errors="coerce") / b["rows"],
-        tps=pd.to_numeric(b["output_tokens"], errors="coerce") / pd.to_numeric(b["decode_seconds"], errors="coerce"),
-        peak=pd.to_numeric(b["peak_memory_bytes"], errors="coerce") / 2**30,
-        kv=pd.to_numeric(b["kv_cache_bytes"], errors="coerce") / 2**20,
-    )
-    for model, mb in b.groupby("model"):
+# (summary column, scale, panel title) of the throughput / memory figure, one panel each
+_EFFICIENCY_PANELS = (
+    ("decode_tokens_per_second", 1.0, "decode tokens / s"),
+    ("rows_in_flight", 1.0, "rows in flight (bar: max, tick: mean per step)"),
+    ("kv_allocated_bytes", 2.0**-20, "allocated KV, static (MiB)"),
+    ("kv_held_bytes_mean", 2.0**-20, "KV per sample (MiB): held (filled), full cache (outline)"),
+    ("peak_memory_bytes", 2.0**-30, "peak memory (GiB)"),
+    ("compression_ratio", 1.0, "compression (full / held tokens, ×)"),
+)
+
+
+def _entry_values(ts: pd.DataFrame, entries: list[tuple[str, str]], col: str, scale: float) -> np.ndarray:
+    """``ts[col] * scale`` at each ``(policy, op)`` of ``entries`` (``ts`` indexed by them; NaN where absent)."""
+    return np.array([float(ts.loc[e, col]) * scale if e in ts.index and col in ts else np.nan for e in entries])
+
+
+def figure_throughput_memory(summary: pd.DataFrame, res: FigureResult) -> None:
+    """Per model: one bar per (policy, operating point) and task in each of six panels — decode throughput, rows in
+    flight (max, and the mean per decode step as a tick), the static KV allocation, the KV held per sample against
+    what a full cache would hold, peak memory and compression."""
+    cols = [c for c, _, _ in _EFFICIENCY_PANELS] + ["kv_full_bytes_mean", "rows_in_flight_mean"]
+    for model in sorted(summary["model"].unique()):
         name = f"throughput_memory_{slug(model)}"
-        if mb["out_len"].nunique() < 2:
-            res.skip(name, f"{model}: one output length only")
+        sub = summary[summary["model"] == model]
+        measured = sub[[c for c in cols if c in sub and c != "compression_ratio"]].apply(pd.to_numeric, errors="coerce")
+        if not np.isfinite(measured.to_numpy(dtype=float)).any():
+            res.skip(name, f"{model}: no throughput.jsonl and no per-sample KV bytes")
             continue
-        fig = new_figure(13, 3.8)
-        axes = fig.subplots(1, 3)
-        several = mb.loc[mb["op_kind"] != "full", "op"].nunique() > 1
-        groups = sorted(mb.groupby(["policy", "op"]), key=lambda kv: (policy_sort_key(kv[0][0]), kv[0][1]))
-        markers = "osd^v<>P*X"
-        for (pol, op), ps in groups:
-            label = ps["short"].iloc[0] + (f" ({op})" if several and op != "full" else "")
-            ops = sorted(set(mb["op"]))
-            kw = {
-                "color": policy_color(pol),
-                "label": label,
-                "s": 14,
-                "alpha": 0.75,
-                "marker": markers[ops.index(op) % len(markers)],
-            }
-            for ax, col in zip(axes, ("tps", "peak", "kv")):
-                ax.scatter(ps["out_len"], ps[col], **kw)
-        for ax, ylabel in zip(axes, ("decode tokens / s (batch)", "peak memory (GiB)", "KV cache allocated (MiB)")):
-            ax.set_xlabel("output tokens per sample (batch mean)")
-            ax.set_ylabel(ylabel)
-            ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=7)
-        fig.suptitle(f"Throughput and memory vs output length — {model}")
+        several = sub.loc[sub["op_kind"] != "full", "op"].nunique() > 1
+        order = {
+            (p, op): op_sort_key(k, v) for p, op, k, v in zip(sub["policy"], sub["op"], sub["op_kind"], sub["op_value"])
+        }
+        entries = sorted(order, key=lambda e: (policy_sort_key(e[0]), order[e]))
+        labels = []
+        for p, op in entries:
+            short = sub.loc[(sub["policy"] == p) & (sub["op"] == op), "short"].iloc[0]
+            labels.append(short + (f" ({op})" if several and op != "full" else ""))
+        tasks = sorted(sub["task"].unique(), key=task_sort_key)
+        width = 0.8 / len(tasks)
+        fig, axes = _grid(len(_EFFICIENCY_PANELS), max(4.6, 0.55 * len(entries) * max(1, len(tasks) ** 0.5)), 3.6)
+        x = np.arange(len(entries))
+        for k, task in enumerate(tasks):
+            ts = sub[sub["task"] == task].set_index(["policy", "op"])
+            color = _PALETTE[(k + 1) % len(_PALETTE)]
+            xs = x + (k - (len(tasks) - 1) / 2) * width
+            for ax, (col, scale, _) in zip(axes, _EFFICIENCY_PANELS):
+                if col == "kv_held_bytes_mean":
+                    full = _entry_values(ts, entries, "kv_full_bytes_mean", scale)
+                    ax.bar(xs, full, width=width, fill=False, edgecolor=color, linewidth=1.2)
+                ax.bar(
+                    xs,
+                    _entry_values(ts, entries, col, scale),
+                    width=width,
+                    color=color,
+                    label=TASK_LABELS.get(task, task),
+                )
+                if col == "rows_in_flight":
+                    mean = _entry_values(ts, entries, "rows_in_flight_mean", 1.0)
+                    ax.scatter(xs, mean, marker="_", s=120, color="black", zorder=3)
+        for ax, (_, _, title) in zip(axes, _EFFICIENCY_PANELS):
+            ax.set_title(title, fontsize=9)
+            ax.set_xticks(x, _wrap(labels), rotation=45, ha="right", rotation_mode="anchor", fontsize=7)
+            ax.grid(axis="y", alpha=0.3)
+        handles, names = axes[0].get_legend_handles_labels()
+        fig.legend(handles, names, loc="outside right upper", fontsize=8, title="task")
+        fig.suptitle(f"Throughput and memory per policy — {model}")
         res.figures[name] = fig
 
 
@@ -371,7 +399,7 @@ def paper_figures(tree: Tree, summary: pd.DataFrame, diversity: pd.DataFrame | N
     figure_accuracy_vs_budget(summary, res)
     figure_failure_modes(summary, res)
     figure_output_lengths(tree, summary, res)
-    figure_throughput_memory(tree, res)
+    figure_throughput_memory(summary, res)
     figure_ablation_heatmap(summary, res)
     figure_policy_bars(summary, res)
     if diversity is not None and not diversity.empty:

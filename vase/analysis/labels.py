@@ -21,6 +21,8 @@ from typing import Any
 
 import pandas as pd
 
+from vase.run.records import NOT_DECODED
+
 logger = logging.getLogger(__name__)
 
 PAPER_TASKS = ("aime25", "gpqa_diamond", "math500", "aime26", "hmmt25")
@@ -79,7 +81,25 @@ PILOT_ORDER = (
     "vase_dkv",
 )
 LOOP_CLASSES = ("loop", "garbage", "truncated", "ok")
-LOOP_COLORS = {"loop": "#d62728", "garbage": "#9467bd", "truncated": "#ff7f0e", "ok": "#2ca02c"}
+# Samples not decoded to the end (vase.run.records.NOT_DECODED): own classes, shown only when present, never loops.
+NOT_DECODED_CLASSES = NOT_DECODED
+FAILURE_CLASSES = (*LOOP_CLASSES, *NOT_DECODED_CLASSES)
+LOOP_COLORS = {
+    "loop": "#d62728",
+    "garbage": "#9467bd",
+    "truncated": "#ff7f0e",
+    "ok": "#2ca02c",
+    "nonfinite": "#7f7f7f",
+    "prompt_too_long": "#8c564b",
+}
+CLASS_LABELS = {
+    "loop": "Loop",
+    "garbage": "Garbage",
+    "truncated": "Truncated",
+    "ok": "OK",
+    "nonfinite": "Non-finite",
+    "prompt_too_long": "Prompt too long",
+}
 NOT_HYPERPARAMETERS = ("_target_", "budget", "name", "kind")
 MISSING = "–"
 # short hyper-parameter names for figure labels (tables spell them out)

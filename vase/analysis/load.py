@@ -1,8 +1,11 @@
 """Loading a results tree: find the run directories, read what each run saved, one table of runs.
 
 Everything is read from what the runs saved — ``config.yaml``, ``protocol.json``, ``metrics.json``,
-``samples.jsonl``, ``batches.jsonl`` — never from directory names. ``samples.jsonl`` is the source of truth: a
+``samples.jsonl``, ``throughput.jsonl`` — never from directory names. ``samples.jsonl`` is the source of truth for
+every number that describes the outputs (accuracy, failure modes, evictions, held and full-cache KV bytes): a
 half-finished run (no ``metrics.json``, maybe a torn last line) is recomputed from it and marked incomplete.
+``throughput.jsonl`` (one line per stretch of decoding) holds the wall-clock numbers: decode throughput, prefill
+time, rows in flight, the static KV allocation and peak memory. The fields are defined in :mod:`vase.run.records`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pandas as pd
 import yaml
 
 from vase.analysis.labels import NOT_HYPERPARAMETERS, label_policies, policy_class_name
-from vase.run.results import BATCHES, SAMPLES, read_jsonl_tolerant, stable_hash
+from vase.run.results import SAMPLES, THROUGHPUT, read_jsonl_tolerant, stable_hash
 
 logger = logging.getLogger(__name__)
 
@@ -28,26 +31,40 @@ SAMPLE_COLUMNS = (
     "sample",
     "seed",
     "correct",
-    "loop_class",
-    "output_tokens",
-    "compression_ratio",
     "finish_reason",
-    "truncated",
-)
-BATCH_COLUMNS = (
-    "problem_id",
+    "cut_by_limit",
+    "cut_in_thinking",
+    "loop_class",
     "prompt_tokens",
     "output_tokens",
-    "prefill_seconds",
-    "decode_seconds",
+    "held_tokens_end",
+    "held_tokens_mean",
+    "compression_ratio",
+    "kv_held_bytes_end",
+    "kv_full_bytes_end",
+    "decode_steps",
     "evictions",
     "eviction_seconds",
-    "kv_cache_bytes",
-    "kv_cache_bytes_full",
-    "peak_memory_bytes",
     "attended_tokens",
-    "held_tokens",
 )
+THROUGHPUT_COLUMNS = (
+    "prefills",
+    "prefill_tokens",
+    "prefill_seconds",
+    "decode_steps",
+    "row_steps",
+    "tokens",
+    "decode_seconds",
+    "samples",
+    "rows",
+    "wall_seconds",
+    "kv_allocated_bytes",
+    "kv_allocated_bytes_per_row",
+    "capacity_per_row",
+    "peak_memory_bytes",
+    "time",
+)
+OLD_BATCHES = "batches.jsonl"  # written by the runner before continuous batching; not read
 _PER_RUN_PROTOCOL_KEYS = ("policy", "budget", "window", "seed", "n_samples")
 
 
@@ -61,8 +78,10 @@ class Tree:
             ``policy_kind``, ``params`` (JSON of the hyper-parameters), ``budget``, ``window``, ``ratio``, ``seed``,
             ``group`` (``logger.group``), ``complete``, ``source`` and, after :func:`label_policies`, ``policy``,
             ``method`` and ``op``.
-        samples: one row per sample (``run_id`` + :data:`SAMPLE_COLUMNS`, ``answered``).
-        batches: one row per decoded batch (``run_id`` + :data:`BATCH_COLUMNS`, ``rows``).
+        samples: one row per sample (``run_id`` + :data:`SAMPLE_COLUMNS`, ``answered``), deduplicated on
+            ``(problem_id, sample)`` within a run; a key a run did not write is missing (NaN / None).
+        throughput: one row per ``throughput.jsonl`` line, i.e. per stretch of decoding (``run_id`` +
+            :data:`THROUGHPUT_COLUMNS`); every line counts (each is wall-clock time that really ran).
         metrics: run_id -> the run's ``metrics.json`` (absent for half-finished runs).
         skipped: run directories that could not be read, with the reason.
     """
@@ -70,7 +89,7 @@ class Tree:
     root: Path
     runs: pd.DataFrame
     samples: pd.DataFrame
-    batches: pd.DataFrame
+    throughput: pd.DataFrame
     metrics: dict[int, dict] = field(default_factory=dict)
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
@@ -142,20 +161,28 @@ def load_run(run_dir: str | Path, run_id: int = 0) -> tuple[dict, pd.DataFrame, 
     """Read one run directory.
 
     Returns:
-        ``(run, samples, batches, metrics)``: ``run`` is the run's row of :attr:`Tree.runs`; ``samples`` and
-        ``batches`` its rows (deduplicated on ``(problem_id, sample)``); ``metrics`` its ``metrics.json`` or None.
+        ``(run, samples, throughput, metrics)``: ``run`` is the run's row of :attr:`Tree.runs`; ``samples`` its
+        samples (deduplicated on ``(problem_id, sample)``, the first line written wins, as in the runner's metrics);
+        ``throughput`` its ``throughput.jsonl`` lines; ``metrics`` its ``metrics.json`` or None.
     """
     run_dir = Path(run_dir)
     config = _read_config(run_dir)
     protocol = _read_json(run_dir / "protocol.json")
     metrics = _read_json(run_dir / "metrics.json")
     sample_rows = read_jsonl_tolerant(run_dir / SAMPLES)
-    batch_rows = read_jsonl_tolerant(run_dir / BATCHES)
+    throughput_rows = read_jsonl_tolerant(run_dir / THROUGHPUT)
+    if not throughput_rows and (run_dir / OLD_BATCHES).exists():
+        logger.warning(
+            "%s: written before continuous batching (%s, no %s): its throughput and memory are not read; "
+            "rerun it with the current runner for them",
+            run_dir,
+            OLD_BATCHES,
+            THROUGHPUT,
+        )
     samples = _frame(sample_rows, SAMPLE_COLUMNS, run_id)
     samples["answered"] = [r.get("extracted") is not None for r in sample_rows]
     samples = samples.drop_duplicates(subset=["problem_id", "sample"], keep="first")
-    batches = _frame(batch_rows, BATCH_COLUMNS, run_id)
-    batches["rows"] = [len(r.get("samples") or []) or 1 for r in batch_rows]
+    throughput = _frame(throughput_rows, THROUGHPUT_COLUMNS, run_id)
 
     name, kind, params, target = _policy_info(config, protocol, metrics)
     m = metrics or {}
@@ -189,7 +216,7 @@ def load_run(run_dir: str | Path, run_id: int = 0) -> tuple[dict, pd.DataFrame, 
         "problems": int(samples["problem_id"].nunique()) if n else int(m.get("problems") or 0),
         "samples": n if n else int(m.get("samples") or 0),
     }
-    return run, samples, batches, metrics
+    return run, samples, throughput, metrics
 
 
 def resolve_budget(reference_tokens: int, ratio: float, window: int) -> int:
@@ -224,10 +251,10 @@ def load_tree(root: str | Path) -> Tree:
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"results_dir: no such directory: {root}")
-    runs, samples, batches, metrics, skipped = [], [], [], {}, []
+    runs, samples, throughput, metrics, skipped = [], [], [], {}, []
     for run_dir in find_run_dirs(root):
         try:
-            run, s, b, m = load_run(run_dir, run_id=len(runs))
+            run, s, t, m = load_run(run_dir, run_id=len(runs))
         except (ValueError, OSError, yaml.YAMLError) as err:
             logger.warning("skipping %s: %s", run_dir, err)
             skipped.append((str(run_dir), str(err)))
@@ -244,7 +271,7 @@ def load_tree(root: str | Path) -> Tree:
             )
         runs.append(run)
         samples.append(s)
-        batches.append(b)
+        throughput.append(t)
         if m is not None:
             metrics[run["run_id"]] = m
     if not runs:
@@ -253,7 +280,7 @@ def load_tree(root: str | Path) -> Tree:
         root=root,
         runs=pd.DataFrame(runs),
         samples=pd.concat(samples, ignore_index=True),
-        batches=pd.concat(batches, ignore_index=True),
+        throughput=pd.concat(throughput, ignore_index=True),
         metrics=metrics,
         skipped=skipped,
     )

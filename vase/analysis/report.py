@@ -2,7 +2,7 @@
 
 Pipeline (what ``scripts/report.py`` runs)::
 
-    tree = load_tree("results/")            # load: one row per run, plus every sample and every decoded batch
+    tree = load_tree("results/")            # load: one row per run, every sample, every throughput.jsonl line
     summary = summarize(tree)               # aggregate: one row per (model, task, policy, operating point)
     tables = paper_tables(summary)          # tables: accuracy (± SE, five-task avg), failures, efficiency, summary
     figures = paper_figures(tree, summary)  # figures: accuracy vs budget, failure modes, lengths, throughput, ...

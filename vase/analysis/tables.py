@@ -16,8 +16,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vase.analysis.aggregate import at_op, operating_points
-from vase.analysis.labels import MISSING, PAPER_TASKS, TASK_LABELS, policy_sort_key, slug, task_sort_key
+from vase.analysis.aggregate import at_op, operating_points, present_classes
+from vase.analysis.labels import (
+    CLASS_LABELS,
+    LOOP_CLASSES,
+    MISSING,
+    PAPER_TASKS,
+    TASK_LABELS,
+    policy_sort_key,
+    slug,
+    task_sort_key,
+)
 
 
 @dataclass
@@ -128,36 +137,30 @@ def _bold_best(data: pd.DataFrame, display: pd.DataFrame, cols: Iterable[str]) -
 
 
 def failure_table(summary: pd.DataFrame, model: str, op: str) -> Table:
-    """Per task and policy: loop / garbage / truncated / ok rates (%), answered rate, mean output length."""
+    """Per task and policy: loop / garbage / truncated / ok rates (%), the non-finite and prompt-too-long rates when
+    any sample of the table has them, answered rate, mean output length."""
     sub = at_op(summary, model, op)
-    cols = [
-        "task",
-        "policy",
-        "method",
-        "samples",
-        "loop_rate",
-        "garbage_rate",
-        "truncated_rate",
-        "ok_rate",
-        "answered_rate",
-        "mean_output_tokens",
-        "complete",
-    ]
+    classes = present_classes(sub)
+    rate_cols = [f"{c}_rate" for c in classes]
+    cols = ["task", "policy", "method", "samples", *rate_cols, "answered_rate", "mean_output_tokens", "complete"]
     data = sub[cols].reset_index(drop=True)
     display = pd.DataFrame(
         {
             "Task": [TASK_LABELS.get(t, t) for t in data["task"]],
             "Method": [m + ("" if c else " †") for m, c in zip(data["method"], data["complete"])],
             "Samples": data["samples"].astype(int).astype(str),
-            "Loop %": data["loop_rate"].map(lambda x: _fmt(x, 1)),
-            "Garbage %": data["garbage_rate"].map(lambda x: _fmt(x, 1)),
-            "Truncated %": data["truncated_rate"].map(lambda x: _fmt(x, 1)),
-            "OK %": data["ok_rate"].map(lambda x: _fmt(x, 1)),
+            **{f"{CLASS_LABELS[c]} %": data[f"{c}_rate"].map(lambda x: _fmt(x, 1)) for c in classes},
             "Answered %": data["answered_rate"].map(lambda x: _fmt(x, 1)),
             "Mean output tokens": data["mean_output_tokens"].map(lambda x: _fmt(x, 0)),
         }
     )
     notes = ["† incomplete run."] if not data["complete"].all() else []
+    meaning = {
+        "nonfinite": "Non-finite: the logits became NaN/inf (a numerical failure; the sample ends there).",
+        "prompt_too_long": "Prompt too long: the prompt leaves no room under max_length (not decoded).",
+    }
+    if len(classes) > len(LOOP_CLASSES):
+        notes.append(" ".join(meaning[c] for c in classes[len(LOOP_CLASSES) :]) + " Never counted as a loop.")
     return Table(
         f"failures_{slug(model)}_{slug(op)}",
         data,
@@ -168,28 +171,38 @@ def failure_table(summary: pd.DataFrame, model: str, op: str) -> Table:
     )
 
 
+EFFICIENCY_COLUMNS = (
+    "task",
+    "policy",
+    "method",
+    "budget",
+    "compression_ratio",
+    "decode_tokens_per_second",
+    "rows_in_flight",
+    "rows_in_flight_mean",
+    "kv_allocated_bytes",
+    "kv_allocated_bytes_per_row",
+    "kv_held_bytes_mean",
+    "kv_full_bytes_mean",
+    "kv_full_bytes_max",
+    "peak_memory_bytes",
+    "prefill_seconds",
+    "decode_seconds",
+    "evictions",
+    "eviction_seconds",
+    "attended_tokens",
+)
+
+
 def efficiency_table(summary: pd.DataFrame, model: str, op: str) -> Table:
-    """Per task and policy: budget, compression, KV-cache bytes, peak memory, decode throughput, evictions."""
+    """Per task and policy: budget, compression, decode throughput, rows in flight, the static KV allocation, the KV
+    bytes held per sample against a full cache's, peak memory, evictions."""
     sub = at_op(summary, model, op)
-    cols = [
-        "task",
-        "policy",
-        "method",
-        "budget",
-        "compression_ratio",
-        "kv_cache_bytes",
-        "kv_cache_bytes_full",
-        "peak_memory_bytes",
-        "decode_tokens_per_second",
-        "prefill_seconds",
-        "evictions",
-        "eviction_seconds",
-        "attended_tokens",
-    ]
-    data = sub[[c for c in cols if c in sub]].reset_index(drop=True)
-    for c in cols:
+    data = sub[[c for c in EFFICIENCY_COLUMNS if c in sub]].reset_index(drop=True)
+    for c in EFFICIENCY_COLUMNS:
         if c not in data:
             data[c] = float("nan")
+    data = data[list(EFFICIENCY_COLUMNS)]
     mib, gib = 2.0**20, 2.0**30
     display = pd.DataFrame(
         {
@@ -197,10 +210,13 @@ def efficiency_table(summary: pd.DataFrame, model: str, op: str) -> Table:
             "Method": data["method"],
             "Budget": data["budget"].map(lambda x: _fmt(x, 0)),
             "Compression": data["compression_ratio"].map(lambda x: _fmt(x, 2) + "×" if not pd.isna(x) else MISSING),
-            "KV cache MiB": (data["kv_cache_bytes"] / mib).map(lambda x: _fmt(x, 1)),
-            "Full KV MiB": (data["kv_cache_bytes_full"] / mib).map(lambda x: _fmt(x, 1)),
-            "Peak GiB": (data["peak_memory_bytes"] / gib).map(lambda x: _fmt(x, 2)),
             "Decode tok/s": data["decode_tokens_per_second"].map(lambda x: _fmt(x, 1)),
+            "Rows in flight": data["rows_in_flight"].map(lambda x: _fmt(x, 0)),
+            "Mean rows": data["rows_in_flight_mean"].map(lambda x: _fmt(x, 1)),
+            "Allocated KV MiB": (data["kv_allocated_bytes"] / mib).map(lambda x: _fmt(x, 1)),
+            "KV held / sample MiB": (data["kv_held_bytes_mean"] / mib).map(lambda x: _fmt(x, 2)),
+            "Full KV / sample MiB": (data["kv_full_bytes_mean"] / mib).map(lambda x: _fmt(x, 2)),
+            "Peak GiB": (data["peak_memory_bytes"] / gib).map(lambda x: _fmt(x, 2)),
             "Evictions": data["evictions"].map(lambda x: _fmt(x, 0)),
         }
     )
@@ -208,8 +224,13 @@ def efficiency_table(summary: pd.DataFrame, model: str, op: str) -> Table:
         f"efficiency_{slug(model)}_{slug(op)}",
         data,
         display,
-        f"Memory and throughput, {model}, {op} (KV cache: allocated bytes; peak: CUDA max "
-        "allocated or the process's peak RSS on CPU)",
+        f"Memory and throughput, {model}, {op}",
+        [
+            "Allocated KV: the static K/V storage of all rows in flight (allocated once, whatever the outputs need). "
+            "KV held / sample: what the policy holds at a sample's end; full KV / sample: what a full cache would "
+            "hold then (means over the samples decoded to the end). Rows in flight: the most decoding together; mean "
+            "rows: per decode step. Peak: CUDA max allocated, or the process's peak RSS on CPU.",
+        ],
         label_cols=2,
     )
 
