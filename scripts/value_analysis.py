@@ -73,10 +73,16 @@ def decode(args, spec, task, layers: list[int], bits: list[int], groups: list[in
     import torch
 
     from vase.analysis.value_analysis import capture_values, token_records
-    from vase.engine.decode import SamplingConfig
+    from vase.engine import SamplingConfig
     from vase.run.runner import eos_ids
 
     problems = task.load()
+    if spec.dtype == "auto":  # one row decodes at a time: the runner's rule for model.dtype=auto
+        from dataclasses import replace
+
+        from vase.engine import auto_dtype
+
+        spec = replace(spec, dtype=auto_dtype(spec.resolved_device(), 1)[0])
     t0 = time.perf_counter()
     model, tokenizer = spec.load()
     print(f"model {spec.name} loaded in {time.perf_counter() - t0:.1f} s; {len(problems)} problems of {task.name}")

@@ -19,9 +19,9 @@ from omegaconf import OmegaConf
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from vase.engine import Decoder, Request, SamplingConfig, generate, sample_seeds
 from vase.engine.attention import eager_attention
 from vase.engine.cache import cache_capacity
-from vase.engine.decode import Decoder, Request, SamplingConfig, generate, sample_seeds
 from vase.models import tiny_model
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "policy"

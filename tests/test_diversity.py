@@ -107,7 +107,7 @@ def test_recorder_on_a_real_generation(tmp_path: Path):
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    from vase.engine.decode import SamplingConfig, generate
+    from vase.engine import SamplingConfig, generate
     from vase.models import tiny_model
 
     model = tiny_model("qwen3")

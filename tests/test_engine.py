@@ -9,8 +9,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from baselines.random import RandomEviction
 from baselines.streaming import Streaming
+from vase.engine import SamplingConfig, generate, sample_seeds, vase_attention
 from vase.engine.attention import eager_attention
-from vase.engine.decode import SamplingConfig, generate, sample_seeds, vase_attention
 from vase.engine.policy import FullCache
 from vase.models import tiny_model
 
@@ -334,7 +334,7 @@ def test_model_attention_restored_after_generation():
 
 
 def test_take_tokens_equals_gather():
-    from vase.engine.cache import _flat_index, _take_tokens
+    from vase.engine.layer import _flat_index, _take_tokens
 
     g = torch.Generator().manual_seed(0)
     buf = torch.randn(3, 2, 11, 4, generator=g)

@@ -13,7 +13,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from vase.engine.decode import SamplingConfig, generate
+from vase.engine import SamplingConfig, generate
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "policy"
 ALL_CONFIGS = sorted(p.stem for p in CONF.glob("*.yaml"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from baselines.streaming import Streaming
-from vase.engine.decode import SamplingConfig, generate
+from vase.engine import SamplingConfig, generate
 from vase.engine.policy import FullCache
 
 pytestmark = [

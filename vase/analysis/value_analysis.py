@@ -139,7 +139,7 @@ def capture_values(
     The cache is taken through generate's ``on_cache`` hook and read after decoding (one row, so no row ever leaves
     the batch and the cache holds every token's value state).
     """
-    from vase.engine.decode import SamplingConfig, generate
+    from vase.engine import SamplingConfig, generate
     from vase.engine.policy import FullCache
 
     n_layers = model.config.num_hidden_layers

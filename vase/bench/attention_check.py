@@ -9,6 +9,9 @@ Pairs compared (chosen automatically, or ``--pair``):
   ``torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` against ``SDPBackend.MATH``;
 * ``sdpa:eager`` — the SDPA path against the engine's explicit-softmax reference (any device).
 
+Rows of different lengths: row ``r`` decodes the last ``prompt_len - r * stagger`` tokens of the prompt, so every
+step exercises per-row key masks (SDPA) / ``cache_seqlens`` (FlashAttention-2) and rows evict at different steps.
+
 Two checks:
 
 1. Kernel, on identical inputs: side A decodes and every attention call (prefill and decode, every layer) is recomputed
@@ -77,71 +80,78 @@ def side_settings(name: str) -> tuple[str, Callable[[], contextlib.AbstractConte
 
 
 class Side:
-    """One backend's cache and decode state (mirrors ``vase.engine.decode.generate``'s prefill and decode step)."""
+    """One backend's cache and decode state, driven step by step like :class:`vase.engine.decode.Decoder`.
+
+    Row ``r`` decodes its own prompt: the last ``prompt_len - r * stagger`` tokens of ``prompt`` (rows of different
+    lengths, so per-row masks / ``cache_seqlens`` and out-of-step evictions are exercised); every row is prefilled
+    into its own slot, then all rows decode together, teacher-forced.
+    """
 
     def __init__(
-        self, model: torch.nn.Module, policy: Policy, name: str, prompt: torch.Tensor, rows: int, steps: int, seed: int
+        self,
+        model: torch.nn.Module,
+        policy: Policy,
+        name: str,
+        prompt: torch.Tensor,
+        rows: int,
+        steps: int,
+        seed: int,
+        stagger: int = 0,
     ) -> None:
-        from vase.engine.cache import CacheGeometry, VaseCache, cache_capacity
-        from vase.engine.decode import sample_seeds
+        from vase.engine import VaseCache, cache_capacity, model_geometry, sample_seeds
 
         self.model, self.name = model, name
         self.backend, self.ctx = side_settings(name)
-        cfg = model.config
         device = next(model.parameters()).device
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         p = prompt.numel()
-        geometry = CacheGeometry(
-            num_layers=cfg.num_hidden_layers,
-            num_kv_heads=cfg.num_key_value_heads,
-            num_q_heads=cfg.num_attention_heads,
-            head_dim=head_dim,
-            rows=rows,
-            prompt_len=p,
-            capacity=cache_capacity(policy, p, steps),
-            dtype=next(model.parameters()).dtype,
-            device=device,
-        )
-        gens = [torch.Generator(device=device).manual_seed(s ^ 0x5EED_CAFE) for s in sample_seeds(seed, rows)]
-        self.cache = VaseCache(
-            geometry, policy, scaling=head_dim**-0.5, evict_generators=gens, attn_backend=self.backend
-        )
+        self.prompts = [prompt[r * stagger :].to(device) for r in range(rows)]
+        if min(x.numel() for x in self.prompts) < 1:
+            raise ValueError(f"--stagger: {stagger} x {rows} rows leaves an empty prompt of {p} tokens")
+        geometry = model_geometry(model, rows, cache_capacity(policy, p, steps), prompt_len=p)
+        self.cache = VaseCache(geometry, policy, scaling=geometry.head_dim**-0.5, attn_backend=self.backend)
+        self.gens = [torch.Generator(device=device).manual_seed(s ^ 0x5EED_CAFE) for s in sample_seeds(seed, rows)]
         self.kept: list[tuple[int, torch.Tensor]] = []  # (layer, kept positions sorted (rows, H, n_keep))
-        self.cache.on_evict = lambda layer, idx, kept_p: self.kept.append(
+        self.cache.on_evict = lambda layer, rids, idx, kept_p: self.kept.append(
             (layer.layer_idx, kept_p.sort(dim=-1).values.cpu())
         )
-        self.device, self.p, self.rows = device, p, rows
-        self.prompt = prompt.to(device)
+        self.device, self.rows = device, rows
 
     def prefill(self) -> torch.Tensor:
-        from vase.engine.decode import vase_attention
+        """Each row's prompt into its slot; ``(rows, V)`` float32 logits of each prompt's last token."""
+        from vase.engine import vase_attention
 
+        out = []
         with vase_attention(self.model), self.ctx():
-            logits = self.model(
-                input_ids=self.prompt.view(1, -1),
-                position_ids=torch.arange(self.p, device=self.device).view(1, -1),
-                cache=self.cache,
-                use_cache=True,
-                logits_to_keep=1,
-                vase_cache=self.cache,
-            ).logits[:, -1]
-        self.cache.advance(self.p)
-        return logits.expand(self.rows, -1).float()
+            for r, ids in enumerate(self.prompts):
+                self.cache.begin_prefill([r], [self.gens[r]], [r])
+                logits = self.model(
+                    input_ids=ids.view(1, -1),
+                    position_ids=torch.arange(ids.numel(), device=self.device).view(1, -1),
+                    cache=self.cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    vase_cache=self.cache,
+                ).logits[:, -1]
+                self.cache.end_prefill(ids.numel())
+                out.append(logits)
+        return torch.cat(out).float()
 
     def step(self, tokens: torch.Tensor, step: int) -> torch.Tensor:
-        from vase.engine.decode import vase_attention
+        """Feed ``tokens (rows,)`` at each row's own next position; ``(rows, V)`` float32 logits."""
+        from vase.engine import vase_attention
 
-        pos = torch.tensor([[self.p + step - 1]], device=self.device)
+        cache = self.cache
+        cache.prepare_step(self.rows)
         with vase_attention(self.model), self.ctx():
             logits = self.model(
                 input_ids=tokens.view(-1, 1).to(self.device),
-                position_ids=pos,
-                cache=self.cache,
+                position_ids=cache.pos_t[: self.rows].view(-1, 1),
+                cache=cache,
                 use_cache=True,
-                vase_cache=self.cache,
+                vase_cache=cache,
             ).logits[:, -1]
-        self.cache.advance(1)
-        self.cache.evict_if_due()
+        cache.advance()
+        cache.evict_due()
         return logits.float()
 
 
@@ -186,14 +196,19 @@ class KernelShadow:
 
         def shadow(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
             out, w = self.orig(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-            if kwargs.get("vase_cache") is not None:
+            cache = kwargs.get("vase_cache")
+            if cache is not None:
                 sc = scaling if scaling is not None else query.shape[-1] ** -0.5
-                prefill = query.shape[2] > 1
+                prefill = cache.prefilling is not None
+                mask = None
+                if not prefill:  # each row over its own held tokens (the live views hold up to the longest row)
+                    held = cache.length_mask(query.shape[0], key.shape[2])
+                    mask = None if held is None else held[:, None, None, :]
                 with self.b_ctx():
                     if self.b_backend == "eager":
-                        ref = va.eager_attention(query, key, value, sc, causal=prefill)
+                        ref = va.eager_attention(query, key, value, sc, causal=prefill, mask=mask)
                     else:
-                        ref = va._sdpa(query, key, value, sc, prefill, None)
+                        ref = va._sdpa(query, key, value, sc, prefill, mask)
                 ref = ref.transpose(1, 2).float()
                 rel = ((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
                 self.max_rel = max(self.max_rel, rel)
@@ -225,7 +240,7 @@ def check(args: argparse.Namespace) -> dict:
     policy = make_policy(args.policy, args.budget, args.window)
     prompt = random_prompt(args.prompt_len, model.config.vocab_size, seed=args.seed)
     # 1. kernel check: side A decodes; every attention call is recomputed by side B's kernel on the same inputs
-    shadow_side = Side(model, policy, a_name, prompt, args.batch, args.steps, args.seed)
+    shadow_side = Side(model, policy, a_name, prompt, args.batch, args.steps, args.seed, args.stagger)
     with KernelShadow(b_name) as shadow:
         tokens = shadow_side.prefill().argmax(-1)
         for step in range(1, args.steps):
@@ -233,9 +248,9 @@ def check(args: argparse.Namespace) -> dict:
     # 2. end to end, teacher-forced: A and B (bf16) and a float32 reference decode the same tokens in lockstep
     ref_side = "sdpa-math" if b_name.startswith("sdpa") or b_name == "flash_attn" else b_name
     sides = {
-        "A": Side(model, policy, a_name, prompt, args.batch, args.steps, args.seed),
-        "B": Side(model, policy, b_name, prompt, args.batch, args.steps, args.seed),
-        "R": Side(ref_model, policy, ref_side, prompt, args.batch, args.steps, args.seed),
+        "A": Side(model, policy, a_name, prompt, args.batch, args.steps, args.seed, args.stagger),
+        "B": Side(model, policy, b_name, prompt, args.batch, args.steps, args.seed, args.stagger),
+        "R": Side(ref_model, policy, ref_side, prompt, args.batch, args.steps, args.seed, args.stagger),
     }
     err = {"A": 0.0, "B": 0.0, "AB": 0.0}
     top1 = {"AB": 0, "AR": 0, "BR": 0}
@@ -278,6 +293,7 @@ def check(args: argparse.Namespace) -> dict:
         window=args.window,
         batch=args.batch,
         prompt_len=args.prompt_len,
+        row_prompt_lens=[x.numel() for x in sides["A"].prompts],
         steps=args.steps,
         evictions=n_ev["A"],
         kernel_max_rel_diff_A_vs_B=shadow.max_rel,
@@ -321,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=300)
+    ap.add_argument(
+        "--stagger",
+        type=int,
+        default=37,
+        help="row r's prompt is prompt-len - r * stagger tokens (rows of different lengths)",
+    )
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -342,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     if args.dry_run:
         args.device, args.model, args.budget, args.window = "cpu", "cpu-small", 64, 16
-        args.batch, args.prompt_len, args.steps = 2, 80, 64
+        args.batch, args.prompt_len, args.steps, args.stagger = 3, 80, 64, 23
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cpu":

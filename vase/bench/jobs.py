@@ -21,7 +21,7 @@ from vase.bench.measure import PeakMemory, load_1m, trimmed_mean
 from vase.bench.shapes import build_model, random_prompt, static_capacity, static_kv_bytes
 
 if TYPE_CHECKING:
-    from vase.engine.decode import GenerationOutput
+    from vase.engine import GenerationOutput
     from vase.engine.policy import Policy
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class Job:
 
     def once(self, n_new: int | None = None) -> GenerationOutput:
         """One generation (greedy, EOS ignored); ``n_new`` defaults to the planned output length."""
-        from vase.engine.decode import SamplingConfig, generate
+        from vase.engine import SamplingConfig, generate
 
         s = self.spec
         marks: dict = {}

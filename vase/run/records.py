@@ -13,25 +13,41 @@ Per-sample flags (definitions used in the docs):
   ``max_length``), ``nonfinite`` (the logits became NaN/inf: a numerical failure, reported with ``error``; its tokens
   are kept up to the failure), ``prompt_too_long`` (the prompt leaves no room under ``max_length``; not decoded).
 * ``cut_by_limit``: ``finish_reason == "length"``.
-* ``cut_in_thinking``: the output ended inside the thinking (no ``</think>``) — cut by the limit while thinking, so
-  nothing could be extracted (thinking runs only; a ``<think>`` left open counts too).
-* ``loop_class``: ``loop`` / ``garbage`` / ``truncated`` / ``ok`` by the paper's detectors (method.md §4; the
-  ``truncated`` class is "cut by the limit", inside the thinking for a thinking run), or ``nonfinite`` /
+* ``cut_in_thinking``: a thinking run's output has no closing ``</think>`` (a ``<think>`` left open counts too), so
+  no answer could be extracted; usually the limit cut it (then ``cut_by_limit`` is true as well), but a sample can
+  also end at EOS without closing its thinking. Without thinking, only an output that opens ``<think>`` itself and
+  never closes it.
+* ``loop_class``: ``loop`` / ``garbage`` / ``truncated`` / ``ok`` by the paper's detectors (method.md §4, first that
+  applies): ``truncated`` is ``cut_in_thinking`` for a thinking run and ``cut_by_limit`` otherwise; or ``nonfinite`` /
   ``prompt_too_long`` for samples that were not decoded to the end (never counted as loops).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from vase.run.metrics import classify_output, mean_pass_at_1, mean_pass_at_k
-from vase.run.results import SAMPLES, THROUGHPUT, read_jsonl_tolerant
+from vase.run.results import (
+    SAMPLES,
+    THROUGHPUT,
+    append_jsonl,
+    device_info,
+    git_sha,
+    library_versions,
+    peak_memory_bytes,
+    read_jsonl_tolerant,
+    write_json,
+)
 
 NOT_DECODED = ("nonfinite", "prompt_too_long")
+THROUGHPUT_EVERY_S = 30.0  # a throughput.jsonl line at least this often while decoding
+PROGRESS_EVERY_S = 5.0  # the progress bar's tok/s and rows at most this often
 
 
 def held_at_end(total: int, prompt_len: int, budget: int | None, window: int | None, evicts: bool) -> int:
@@ -207,3 +223,103 @@ def _throughput(run_dir: Path) -> dict:
         "peak_memory_bytes": max(x["peak_memory_bytes"] for x in lines),
         "wall_seconds": sum(x["wall_seconds"] for x in lines),
     }
+
+
+def write_manifest(prep, run_dir: Path, model, tokenizer, spec, dtype_reason: str, dec, plan, stop) -> None:
+    """``manifest.json``: code, libraries, machine, the weights and dtype, the engine's sizing, data, protocol."""
+    cfg = prep.cfg
+    write_json(
+        run_dir / "manifest.json",
+        {
+            "git_sha": git_sha(),
+            "libraries": library_versions(),
+            "device": device_info(),
+            "model": {
+                "name": spec.name,
+                "revision": spec.revision,
+                "resolved": spec.resolve(),
+                "dtype": str(next(model.parameters()).dtype),
+                "dtype_choice": dtype_reason,
+                "attn_backend": dec.backend,
+            },
+            "engine": {
+                "batching": prep.batching,
+                "rows_in_flight": plan.rows,
+                "rows_choice": plan.reason,
+                "capacity_per_row": dec.geometry.capacity,
+                "capacity_choice": "cache_capacity(policy, longest prompt to decode, its output cap)",
+                "kv_allocated_bytes": dec.geometry.kv_bytes,
+                "row_bytes": plan.row_bytes,
+                "sync_every": dec.sync_every,
+            },
+            "dataset": prep.task.describe() if hasattr(prep.task, "describe") else {"name": prep.task.name},
+            "prompt_template": getattr(tokenizer, "chat_template", None),
+            "thinking": prep.thinking,
+            "sampling": asdict(prep.sampling),
+            "max_length": prep.max_length,
+            "seed": cfg.seed,
+            "eos_token_ids": stop,
+            "budget": cfg.budget if prep.policy.kind != "none" else None,
+            "window": cfg.window,
+            "policy": prep.policy.describe(),
+        },
+    )
+
+
+class ThroughputLog:
+    """Writes ``throughput.jsonl`` lines (wall-clock stretches of one decoder) and drives the progress display."""
+
+    def __init__(self, run_dir: Path, dec):
+        self.run_dir, self.dec = run_dir, dec
+        self.t_start = self.t_last = time.perf_counter()
+        self.t_show = 0.0
+        self.last = asdict(dec.stats)
+        self.max_rows = 0
+
+    def step(self, bar, info) -> None:
+        self.max_rows = max(self.max_rows, info.active_rows)
+        now = time.perf_counter()
+        if now - self.t_show >= PROGRESS_EVERY_S:
+            self.t_show = now
+            st = self.dec.stats
+            tps = st.row_steps / st.decode_seconds if st.decode_seconds else 0.0
+            bar.set_postfix_str(f"tok/s={tps:.1f} rows={info.active_rows}", refresh=True)
+        if now - self.t_last >= THROUGHPUT_EVERY_S:
+            self.flush()
+
+    def sample(self, bar, correct: list[bool], run_logger) -> None:
+        st = self.dec.stats
+        acc = sum(correct) / len(correct) if correct else 0.0
+        tps = st.tokens / st.decode_seconds if st.decode_seconds else 0.0
+        run_logger.log_progress(
+            {
+                "progress/samples_done": len(correct),
+                "progress/accuracy": acc,
+                "progress/decode_tokens_per_second": tps,
+                "progress/rows_in_flight": self.dec.cache.n_live,
+            }
+        )
+
+    def flush(self) -> None:
+        now = time.perf_counter()
+        st = asdict(self.dec.stats)
+        delta = {k: st[k] - self.last[k] for k in st if k != "max_live_rows"}
+        if not delta["decode_steps"] and not delta["prefills"]:
+            return
+        g = self.dec.geometry
+        append_jsonl(
+            self.run_dir / THROUGHPUT,
+            [
+                {
+                    **delta,
+                    "rows": max(self.max_rows, 1),
+                    "wall_seconds": now - self.t_last,
+                    "kv_allocated_bytes": self.dec.cache.kv_bytes() or g.kv_bytes,
+                    "kv_allocated_bytes_per_row": g.kv_bytes_per_row,
+                    "capacity_per_row": g.capacity,
+                    "peak_memory_bytes": peak_memory_bytes(self.dec.device),
+                    "time": time.time(),
+                }
+            ],
+        )
+        self.last, self.t_last, self.max_rows = st, now, 0

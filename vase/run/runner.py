@@ -28,22 +28,18 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from vase.engine import Decoder, Request, model_geometry
 from vase.engine.cache import cache_capacity
-from vase.engine.decode import Decoder, Request, model_geometry
 from vase.engine.memory import auto_dtype, plan_rows
 from vase.engine.sampling import SamplingConfig, sample_seeds
 from vase.run.checks import check_settings, parse_bytes
-from vase.run.records import compute_metrics, sample_row
+from vase.run.records import ThroughputLog, compute_metrics, sample_row, write_manifest
 from vase.run.results import (
     SAMPLES,
     THROUGHPUT,
     append_jsonl,
     check_protocol,
     check_resolved,
-    device_info,
-    git_sha,
-    library_versions,
-    peak_memory_bytes,
     read_jsonl_tolerant,
     stable_hash,
     write_json,
@@ -54,7 +50,6 @@ logger = logging.getLogger(__name__)
 # Settings that do not change results: excluded from the protocol comparison on resume.
 NON_PROTOCOL_TASK_KEYS = ("limit", "shard", "num_shards", "data_dir", "max_workers")
 NON_PROTOCOL_GENERATION_KEYS = ("sync_every", "attn_backend", "batching", "max_rows", "kv_memory")
-THROUGHPUT_EVERY_S = 30.0  # a throughput.jsonl line at least this often while decoding
 
 
 def build(node: Any, what: str) -> Any:
@@ -345,9 +340,9 @@ def _decode(prep: Prepared, work: list[Work], done_rows, run_dir: Path, run_logg
             on_cache=None if recorder is None else recorder.attach,
         )
         if not manifest_written:
-            _write_manifest(prep, run_dir, model, tokenizer, spec, dtype_reason, dec, plan, stop)
+            write_manifest(prep, run_dir, model, tokenizer, spec, dtype_reason, dec, plan, stop)
             manifest_written = True
-        meter = _Throughput(run_dir, dec)
+        meter = ThroughputLog(run_dir, dec)
         if rows is None or len(plans) <= 1:
             logger.info(
                 "decoding %d samples: %d rows in flight (%s), %d slots per row, %.1f MiB of KV storage",
@@ -396,102 +391,3 @@ def _grade(prep: Prepared, w: Work, fin, tokenizer, dec: Decoder) -> dict:
         bytes_per_token=dec.geometry.bytes_per_token,
         max_length=prep.max_length,
     )
-
-
-def _write_manifest(prep, run_dir, model, tokenizer, spec, dtype_reason, dec: Decoder, plan, stop) -> None:
-    cfg = prep.cfg
-    write_json(
-        run_dir / "manifest.json",
-        {
-            "git_sha": git_sha(),
-            "libraries": library_versions(),
-            "device": device_info(),
-            "model": {
-                "name": spec.name,
-                "revision": spec.revision,
-                "resolved": spec.resolve(),
-                "dtype": str(next(model.parameters()).dtype),
-                "dtype_choice": dtype_reason,
-                "attn_backend": dec.backend,
-            },
-            "engine": {
-                "batching": prep.batching,
-                "rows_in_flight": plan.rows,
-                "rows_choice": plan.reason,
-                "capacity_per_row": dec.geometry.capacity,
-                "capacity_choice": "cache_capacity(policy, longest prompt to decode, its output cap)",
-                "kv_allocated_bytes": dec.geometry.kv_bytes,
-                "row_bytes": plan.row_bytes,
-                "sync_every": dec.sync_every,
-            },
-            "dataset": prep.task.describe() if hasattr(prep.task, "describe") else {"name": prep.task.name},
-            "prompt_template": getattr(tokenizer, "chat_template", None),
-            "thinking": prep.thinking,
-            "sampling": asdict(prep.sampling),
-            "max_length": prep.max_length,
-            "seed": cfg.seed,
-            "eos_token_ids": stop,
-            "budget": cfg.budget if prep.policy.kind != "none" else None,
-            "window": cfg.window,
-            "policy": prep.policy.describe(),
-        },
-    )
-
-
-class _Throughput:
-    """Writes ``throughput.jsonl`` lines (wall-clock stretches of one decoder) and drives the progress display."""
-
-    def __init__(self, run_dir: Path, dec: Decoder):
-        self.run_dir, self.dec = run_dir, dec
-        self.t_start = self.t_last = time.perf_counter()
-        self.t_show = 0.0
-        self.last = asdict(dec.stats)
-        self.max_rows = 0
-
-    def step(self, bar, info) -> None:
-        self.max_rows = max(self.max_rows, info.active_rows)
-        now = time.perf_counter()
-        if now - self.t_show >= 1.0:
-            self.t_show = now
-            st = self.dec.stats
-            tps = st.row_steps / st.decode_seconds if st.decode_seconds else 0.0
-            bar.set_postfix_str(f"tok/s={tps:.1f} rows={info.active_rows}", refresh=True)
-        if now - self.t_last >= THROUGHPUT_EVERY_S:
-            self.flush()
-
-    def sample(self, bar, correct: list[bool], run_logger) -> None:
-        st = self.dec.stats
-        acc = sum(correct) / len(correct) if correct else 0.0
-        tps = st.tokens / st.decode_seconds if st.decode_seconds else 0.0
-        run_logger.log_progress(
-            {
-                "progress/samples_done": len(correct),
-                "progress/accuracy": acc,
-                "progress/decode_tokens_per_second": tps,
-                "progress/rows_in_flight": self.dec.cache.n_live,
-            }
-        )
-
-    def flush(self) -> None:
-        now = time.perf_counter()
-        st = asdict(self.dec.stats)
-        delta = {k: st[k] - self.last[k] for k in st if k != "max_live_rows"}
-        if not delta["decode_steps"] and not delta["prefills"]:
-            return
-        g = self.dec.geometry
-        append_jsonl(
-            self.run_dir / THROUGHPUT,
-            [
-                {
-                    **delta,
-                    "rows": max(self.max_rows, 1),
-                    "wall_seconds": now - self.t_last,
-                    "kv_allocated_bytes": self.dec.cache.kv_bytes() or g.kv_bytes,
-                    "kv_allocated_bytes_per_row": g.kv_bytes_per_row,
-                    "capacity_per_row": g.capacity,
-                    "peak_memory_bytes": peak_memory_bytes(self.dec.device),
-                    "time": time.time(),
-                }
-            ],
-        )
-        self.last, self.t_last, self.max_rows = st, now, 0

@@ -1,0 +1,87 @@
+"""Static shapes of the cache: per-row capacity, bytes per token and per row (no tensors, no transformers).
+
+``capacity = min(P + max_new_tokens, max(P, budget) + window)`` token slots per (layer, row, KV head) for eviction
+policies and ``P + max_new_tokens`` for the full cache and selection policies, ``P`` being the longest prompt the
+cache will hold (method.md §2: nothing grows during decoding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vase.engine.policy import Policy
+
+
+@dataclass
+class LayerCounters:
+    """Per-layer counters: eviction calls (one per row that evicted), seconds spent in them, tokens held (max row)."""
+
+    evictions: int = 0
+    eviction_seconds: float = 0.0
+    held: int = 0
+
+
+@dataclass
+class CacheGeometry:
+    """Static shape of a cache.
+
+    Attributes:
+        num_layers, num_kv_heads, num_q_heads, head_dim: from the model config.
+        rows: rows (sequences) the storage holds at once.
+        capacity: token slots per (layer, row, KV head).
+        dtype, device: of the storage.
+        prompt_len: the longest prompt the capacity was sized for (informational).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    num_q_heads: int
+    head_dim: int
+    rows: int
+    capacity: int
+    dtype: torch.dtype
+    device: torch.device
+    prompt_len: int = 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes of one token over all layers and KV heads."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    @property
+    def kv_bytes_per_row(self) -> int:
+        """Bytes of K and V storage of one row: ``2 * layers * H * capacity * D * itemsize``."""
+        return self.bytes_per_token * self.capacity
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of K and V storage over all layers and rows."""
+        return self.rows * self.kv_bytes_per_row
+
+
+def cache_capacity(policy: Policy, prompt_len: int, max_new_tokens: int) -> int:
+    """Token slots per (layer, row, KV head) that a sequence of ``prompt_len + max_new_tokens`` can ever need."""
+    full = prompt_len + max_new_tokens
+    if policy.kind != "eviction":
+        return full
+    return min(full, max(prompt_len, policy.budget) + policy.window)
+
+
+def aux_bytes_per_row(geometry: CacheGeometry, policy: Policy) -> int:
+    """Bytes of one row's side buffers: positions (int64 per held slot) and the query ring (if the policy needs it)."""
+    g = geometry
+    itemsize = torch.empty((), dtype=g.dtype).element_size()
+    total = g.num_layers * g.num_kv_heads * g.capacity * 8
+    if policy.needs_queries:
+        total += g.num_layers * g.num_q_heads * policy.window * g.head_dim * itemsize
+    return total
+
+
+def span_of(slots: Sequence[int]) -> slice | None:
+    """``slice(a, b)`` when ``slots`` is the contiguous run ``a, a+1, ..., b-1``, else ``None``."""
+    a = slots[0]
+    return slice(a, a + len(slots)) if list(slots) == list(range(a, a + len(slots))) else None
