@@ -11,8 +11,8 @@ Public API (everything else is internal to the engine):
 * the policy bases in :mod:`vase.engine.policy` and the score math in :mod:`vase.engine.scores`.
 """
 
-from vase.engine.decode import Decoder, Finished, Request, StepInfo, model_geometry, vase_attention
 from vase.engine.cache import VaseCache
+from vase.engine.decode import Decoder, Finished, Request, StepInfo, model_geometry, vase_attention
 from vase.engine.generate import GenerationOutput, generate
 from vase.engine.geometry import CacheGeometry, cache_capacity
 from vase.engine.memory import auto_dtype, plan_rows

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vase.engine.decode import Decoder, Request, StepInfo
 from vase.engine.cache import VaseCache, cache_capacity
+from vase.engine.decode import Decoder, Request, StepInfo
 from vase.engine.policy import Policy
 from vase.engine.sampling import SamplingConfig, sample_seeds
 from vase.models import check_architecture
