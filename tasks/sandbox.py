@@ -1,5 +1,8 @@
 """Run untrusted (model-generated) programs in isolated child processes.
 
+Long module: the isolation levels, their probe, the uid reservation and the launcher protocol are one security
+boundary; split, its invariants would be spread over files a reviewer must read together.
+
 Nothing generated ever runs in the harness process. :func:`run_program` starts one child per program through the
 trusted launcher ``tasks/_sandbox_launcher.py`` (a fresh interpreter, so no ``preexec_fn`` runs in the
 multi-threaded harness) and enforces:

@@ -88,12 +88,12 @@ BAD = [
     ("task.shard=2", "task.shard"),
     ("task.num_shards=0", "task.num_shards"),
     # the settings the continuous-batching engine adds (checked when present)
-    ("+generation.max_rows=0", "generation.max_rows"),
-    ("+generation.max_rows=many", "generation.max_rows"),
-    ("+generation.kv_memory=8G", "generation.kv_memory"),
-    ("+generation.kv_memory=lots", "generation.kv_memory"),
-    ("+generation.kv_memory=0", "generation.kv_memory"),
-    ("+generation.batching=eager", "generation.batching"),
+    ("generation.max_rows=0", "generation.max_rows"),
+    ("generation.max_rows=many", "generation.max_rows"),
+    ("generation.kv_memory=8G", "generation.kv_memory"),
+    ("generation.kv_memory=lots", "generation.kv_memory"),
+    ("generation.kv_memory=0", "generation.kv_memory"),
+    ("generation.batching=eager", "generation.batching"),
 ]
 
 
@@ -122,7 +122,7 @@ def test_messages_say_what_is_wrong_and_how_to_fix_it():
     assert "auto, sdpa, eager, flash_attn" in message("generation.attn_backend=foo")
     assert "needs a CUDA device" in message("generation.attn_backend=flash_attn")  # model=tiny is on the CPU
     assert message("ratio=0").startswith("ratio: must be > 0, got 0; ")
-    assert "8GB (powers of 1000) or 8GiB (powers of 1024)" in message("+generation.kv_memory=8G")
+    assert "8GB (powers of 1000) or 8GiB (powers of 1024)" in message("generation.kv_memory=8G")
 
 
 @pytest.mark.parametrize(
@@ -133,13 +133,13 @@ def test_messages_say_what_is_wrong_and_how_to_fix_it():
         "generation.sync_every=16",
         "generation.temperature=0",
         "generation.top_p=1",
-        "+generation.max_rows=auto",
-        "+generation.max_rows=16",
-        "+generation.kv_memory=null",
-        "+generation.kv_memory=1.5GiB",
-        "+generation.kv_memory=4000000",
-        "+generation.batching=per_problem",
-        "+generation.batching=continuous",
+        "generation.max_rows=auto",
+        "generation.max_rows=16",
+        "generation.kv_memory=null",
+        "generation.kv_memory=1.5GiB",
+        "generation.kv_memory=4000000",
+        "generation.batching=per_problem",
+        "generation.batching=continuous",
         "model.dtype=auto",
         "model.device=cuda:1",
         "limit=0",

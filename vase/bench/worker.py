@@ -2,7 +2,8 @@
 
 A fresh process has a fresh allocator and its own peak-RSS mark, so memory freed by an earlier config but kept by the
 allocator never counts. ``KIND`` is ``throughput`` (:func:`vase.bench.jobs.run_config`), ``ours`` or ``kvpress``
-(the two sides of :mod:`vase.bench.kvpress`; ``kvpress`` runs under the kvpress venv's Python). The result is printed
+(the two sides of :mod:`vase.bench.kvpress`; ``kvpress`` runs under the kvpress venv's Python) or ``rows``
+(:func:`vase.bench.rows.flat_worker`). The result is printed
 as one line ``WORKER_TAG + json`` on stdout; everything else the config prints goes to stderr.
 
 Imports only the standard library at import time (the kvpress venv runs it).
@@ -18,7 +19,7 @@ import sys
 from vase.bench import REPO
 
 WORKER_TAG = "BENCH_ROW_JSON:"
-KINDS = ("throughput", "ours", "kvpress")
+KINDS = ("throughput", "ours", "kvpress", "rows")
 
 
 def run_in_process(kind: str, spec: dict) -> dict:
@@ -27,6 +28,10 @@ def run_in_process(kind: str, spec: dict) -> dict:
         from vase.bench.jobs import run_config
 
         return run_config(spec)
+    if kind == "rows":
+        from vase.bench.rows import flat_worker
+
+        return flat_worker(spec)
     if kind in ("ours", "kvpress"):
         from vase.bench.kvpress import kvpress_worker, ours_worker
 

@@ -22,6 +22,7 @@ are all in its past).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 
@@ -184,6 +185,17 @@ def vase_attention_forward(
     else:  # sdpa, or flash_attn with a per-head token subset (a boolean mask)
         out = _sdpa(query, key, value, scaling, False, mask)
     return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def vase_attention(model):
+    """Temporarily switch ``model`` to the ``"vase"`` attention implementation."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_NAME)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def register() -> None:

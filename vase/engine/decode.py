@@ -27,7 +27,6 @@ tests, analyses and benchmarks.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import deque
@@ -37,8 +36,9 @@ from typing import Any
 
 import torch
 
-from vase.engine.attention import ATTN_NAME, resolve_backend
-from vase.engine.cache import CacheGeometry, VaseCache, cache_capacity
+from vase.engine.attention import resolve_backend, vase_attention
+from vase.engine.cache import VaseCache, cache_capacity
+from vase.engine.geometry import model_geometry
 from vase.engine.policy import Policy
 from vase.engine.sampling import SamplingConfig, sample_tokens
 from vase.models import check_architecture
@@ -156,35 +156,6 @@ class _Row:
     produced: int = 0  # tokens sampled so far (the pending ones included)
     held_sum: int = 0
     steps: int = 0
-
-
-@contextlib.contextmanager
-def vase_attention(model):
-    """Temporarily switch ``model`` to the ``"vase"`` attention implementation."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_NAME)
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(previous)
-
-
-def model_geometry(model, rows: int, capacity: int, prompt_len: int = 0) -> CacheGeometry:
-    """The cache geometry of ``model`` for ``rows`` rows of ``capacity`` slots (dtype and device of its weights)."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    param = next(model.parameters())
-    return CacheGeometry(
-        num_layers=cfg.num_hidden_layers,
-        num_kv_heads=cfg.num_key_value_heads,
-        num_q_heads=cfg.num_attention_heads,
-        head_dim=head_dim,
-        rows=rows,
-        capacity=capacity,
-        dtype=param.dtype,
-        device=param.device,
-        prompt_len=prompt_len,
-    )
 
 
 class Decoder:

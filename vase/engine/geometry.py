@@ -85,3 +85,21 @@ def span_of(slots: Sequence[int]) -> slice | None:
     """``slice(a, b)`` when ``slots`` is the contiguous run ``a, a+1, ..., b-1``, else ``None``."""
     a = slots[0]
     return slice(a, a + len(slots)) if list(slots) == list(range(a, a + len(slots))) else None
+
+
+def model_geometry(model, rows: int, capacity: int, prompt_len: int = 0) -> CacheGeometry:
+    """The cache geometry of ``model`` for ``rows`` rows of ``capacity`` slots (dtype and device of its weights)."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    param = next(model.parameters())
+    return CacheGeometry(
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=cfg.num_key_value_heads,
+        num_q_heads=cfg.num_attention_heads,
+        head_dim=head_dim,
+        rows=rows,
+        capacity=capacity,
+        dtype=param.dtype,
+        device=param.device,
+        prompt_len=prompt_len,
+    )
