@@ -40,7 +40,7 @@ MODELS_DONE := _setup-models
 .PHONY: _setup _setup-models
 endif
 
-.PHONY: help venv setup setup-models run test test-slow lint format bench clean
+.PHONY: help venv setup setup-models run test test-slow pilot pilot-extended lint format bench clean
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -67,6 +67,17 @@ $(MODELS_DONE): $(SETUP_DONE)
 
 run: setup-models  ## the embedded default on a real offline model; more settings: make run ARGS="limit=1 n_samples=1"
 	$(PY) run.py $(ARGS)
+
+pilot: setup-models  ## the CPU pilot study (sweep=pilot, ~90 min on 2 cores, resumable), its report and docs/pilot.md
+	@start=$$(date +%s); \
+	$(PY) run.py -m sweep=pilot progress=false $(ARGS) && \
+	$(PY) scripts/report.py results/pilot --out results/pilot/report && \
+	$(PY) scripts/pilot_report.py results/pilot --update docs/pilot.md --wall-seconds $$(( $$(date +%s) - start ))
+
+pilot-extended: setup-models  ## the pilot's extended set (streaming, snapkv_protect, rkv; a second budget)
+	$(PY) run.py -m sweep=pilot_extended progress=false $(ARGS)
+	$(PY) scripts/report.py results/pilot --out results/pilot/report
+	$(PY) scripts/pilot_report.py results/pilot --update docs/pilot.md
 
 test: setup  ## the fast test suite (no downloads, no GPU)
 	$(PY) -m pytest -q; rc=$$?; [ $$rc -eq 5 ] && echo "no tests collected" && exit 0; exit $$rc

@@ -24,10 +24,12 @@ from vase.engine.policy import Policy
 
 logger = logging.getLogger(__name__)
 
-#: rows in flight for ``max_rows=auto`` on a CPU (measured: scripts/BENCHMARKS.md, "tok/s against rows")
-AUTO_CPU_ROWS = 32
-#: below this many rows, bf16 beats float32 on a CPU without native bf16 (measured on the project's AVX2 CPU)
-CPU_BF16_MAX_ROWS = 4
+#: rows in flight for ``max_rows=auto`` on a CPU: the fastest measured on the project's 2-core AVX2 CPU (float32:
+#: 45 tok/s at 64 rows, 56 at 96, 67 at 128; scripts/BENCHMARKS.md, "tok/s against rows")
+AUTO_CPU_ROWS = 128
+#: from this many rows on, float32 beats bf16 on a CPU without native bf16 (measured on the project's AVX2 CPU:
+#: bf16 15.7 vs float32 13.7 tok/s at 8 rows, 16.1 vs 26.6 at 16)
+CPU_FLOAT32_MIN_ROWS = 12
 #: device memory kept free for activations, logits and the prefill's transients (``auto`` rows on CUDA)
 CUDA_RESERVE_FRACTION = 0.10
 CUDA_RESERVE_MIN_BYTES = 2 * 2**30
@@ -109,6 +111,6 @@ def auto_dtype(device: torch.device, rows: int) -> tuple[str, str]:
     capability = torch.backends.cpu.get_cpu_capability()
     if cpu_has_native_bf16():
         return "bfloat16", f"auto: CPU {capability} with native bf16"
-    if rows < CPU_BF16_MAX_ROWS:
-        return "bfloat16", f"auto: CPU {capability} without native bf16, {rows} rows (< {CPU_BF16_MAX_ROWS}: bf16)"
+    if rows < CPU_FLOAT32_MIN_ROWS:
+        return "bfloat16", f"auto: CPU {capability} without native bf16, {rows} rows (< {CPU_FLOAT32_MIN_ROWS}: bf16)"
     return "float32", f"auto: CPU {capability} without native bf16, {rows} rows (float32 GEMMs scale with rows)"

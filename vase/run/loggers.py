@@ -15,7 +15,11 @@ logger = logging.getLogger(__name__)
 
 
 class NullLogger:
-    """Logs nothing (tests, or when W&B is not wanted)."""
+    """Logs nothing (tests, or when W&B is not wanted); accepts and ignores a logger's settings (e.g. a sweep's
+    ``logger.group``), so a sweep runs with ``logger=none`` too."""
+
+    def __init__(self, **_settings) -> None:
+        pass
 
     def start(self, run_dir: Path, config: dict, run_id: str) -> None:
         pass
