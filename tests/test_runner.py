@@ -31,6 +31,7 @@ ENV = {
 # A tiny random model on gsm_symbolic: one problem, two samples, a short output cap, eviction every 16 steps.
 TINY = [
     "model=tiny",
+    "task=gsm_symbolic",
     "logger=none",
     "limit=1",
     "n_samples=2",

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 TINY = [
     "model=tiny",
+    "task=gsm_symbolic",
     "logger=none",
     "n_samples=2",
     "budget=32",

@@ -11,7 +11,8 @@ sample as soon as it ends:
 * Sampling: temperature / top-k / top-p, or greedy (``temperature=0``). Each row has its own seeded generators (one
   for tokens, one for the policy's eviction randomness), so a sample's tokens do not depend on which other samples
   share the batch.
-* A sample ends at an EOS token, a stop string, its length limit (``max_length - prompt_len`` new tokens) or a
+* A sample ends at an EOS token, a stop string, its length limit (``max_length - prompt_len`` new tokens), an
+  optional ``stop_when`` predicate (``finish_reason="loop"``: the runner's repetition-loop stop) or a
   numerical failure (non-finite logits: ``finish_reason="nonfinite"``, its tokens kept up to the failure; the row is
   scrubbed and the decode goes on). A prompt that leaves no room under ``max_length`` ends its samples at once
   (``"prompt_too_long"``).
@@ -54,7 +55,8 @@ __all__ = [
     "vase_attention",
 ]
 
-FINISH_REASONS = ("eos", "stop", "length", "nonfinite", "prompt_too_long")
+FINISH_REASONS = ("eos", "stop", "length", "loop", "nonfinite", "prompt_too_long")
+STOP_WHEN_EVERY = 16  # ``stop_when`` is asked every this many tokens of a row
 EVICT_SEED_XOR = 0x5EED_CAFE
 EMPTY_STATS = {"decode_steps": 0, "evictions": 0, "eviction_seconds": 0.0, "attended_tokens": None}
 
@@ -171,6 +173,9 @@ class Decoder:
         max_new_tokens / max_length: default output cap and prompt + output cap (the smaller wins per request).
         eos_token_ids: tokens that end a sample; ignored with ``ignore_eos`` (benchmarks).
         stop_strings: strings that end a sample (needs ``tokenizer``).
+        stop_when: ``stop_when(tokens) -> bool``, asked every :data:`STOP_WHEN_EVERY` tokens of a row: True ends the
+            sample with ``finish_reason="loop"`` (the runner's ``generation.stop_on_loop`` passes the paper's
+            repetition-loop detector, so a hopeless sample stops costing compute).
         attn_backend: ``auto`` | ``sdpa`` | ``eager`` | ``flash_attn``.
         sync_every: copy tokens to the host every k steps (default 1 on CPU, 16 on CUDA).
         on_step / on_logits / on_cache: hooks (see the module docstring).
@@ -190,6 +195,7 @@ class Decoder:
         max_length: int | None = None,
         eos_token_ids: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
+        stop_when: Callable[[list[int]], bool] | None = None,
         tokenizer=None,
         attn_backend: str = "auto",
         sync_every: int | None = None,
@@ -223,6 +229,7 @@ class Decoder:
         self.eos = set() if ignore_eos else {int(t) for t in eos_token_ids}
         self.stop_strings = list(stop_strings)
         self.max_stop = max((len(s) for s in stop_strings), default=0)
+        self.stop_when = stop_when
         self.tokenizer = tokenizer
         self.on_step, self.on_logits = on_step, on_logits
         self.row_id = row_id or (lambda key, sample: (key, sample))
@@ -444,6 +451,8 @@ class Decoder:
             return "stop"
         if len(row.tokens) >= row.limit:
             return "length"
+        if self.stop_when is not None and len(row.tokens) % STOP_WHEN_EVERY == 0 and self.stop_when(row.tokens):
+            return "loop"
         return None
 
     def _finish(self, slot: int, reason: str) -> Finished:

@@ -205,6 +205,7 @@ def _check_generation(cfg: DictConfig) -> None:
     _number(cfg, f"{g}.top_p", low=0, low_open=True, high=1, fix=f"1 = off; e.g. {g}.top_p=0.95")
     _integer(cfg, f"{g}.top_k", 0, fix=f"0 = off; e.g. {g}.top_k=20")
     _boolean(cfg, f"{g}.greedy")
+    _boolean(cfg, f"{g}.stop_on_loop")
     _integer(
         cfg,
         f"{g}.max_length",

@@ -10,8 +10,9 @@ that actually ran.
 Per-sample flags (definitions used in the docs):
 
 * ``finish_reason``: ``eos`` (an EOS token), ``stop`` (a stop string), ``length`` (cut by the length limit
-  ``max_length``), ``nonfinite`` (the logits became NaN/inf: a numerical failure, reported with ``error``; its tokens
-  are kept up to the failure), ``prompt_too_long`` (the prompt leaves no room under ``max_length``; not decoded).
+  ``max_length``), ``loop`` (``generation.stop_on_loop``: the repetition-loop detector fired, the sample was ended),
+  ``nonfinite`` (the logits became NaN/inf: a numerical failure, reported with ``error``; its tokens are kept up to
+  the failure), ``prompt_too_long`` (the prompt leaves no room under ``max_length``; not decoded).
 * ``cut_by_limit``: ``finish_reason == "length"``.
 * ``cut_in_thinking``: a thinking run's output has no closing ``</think>`` (a ``<think>`` left open counts too), so
   no answer could be extracted; usually the limit cut it (then ``cut_by_limit`` is true as well), but a sample can

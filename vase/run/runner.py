@@ -127,7 +127,12 @@ def prepare(cfg: DictConfig) -> Prepared:
         "model": {k: v for k, v in asdict(model_spec).items() if k != "device"},
         "task": {k: v for k, v in task_cfg.items() if k not in NON_PROTOCOL_TASK_KEYS},
         "policy": policy_desc,
-        "generation": {**asdict(sampling), "max_length": max_length, "thinking": thinking},
+        "generation": {
+            **asdict(sampling),
+            "max_length": max_length,
+            "thinking": thinking,
+            "stop_on_loop": bool(gen.get("stop_on_loop", False)),
+        },
         "seed": cfg.seed,
         "n_samples": task.n_samples,
         "budget": None if budget_free else cfg.budget,
@@ -335,6 +340,7 @@ def _decode(prep: Prepared, work: list[Work], done_rows, run_dir: Path, run_logg
             sampling=prep.sampling,
             max_length=prep.max_length,
             eos_token_ids=stop,
+            stop_when=_loop_stop(tokenizer) if cfg.generation.get("stop_on_loop", False) else None,
             attn_backend=cfg.generation.attn_backend,
             sync_every=cfg.generation.sync_every,
             on_cache=None if recorder is None else recorder.attach,
@@ -370,6 +376,18 @@ def _decode(prep: Prepared, work: list[Work], done_rows, run_dir: Path, run_logg
         finally:
             meter.flush()
     bar.close()
+
+
+def _loop_stop(tokenizer):
+    """``stop_when`` for ``generation.stop_on_loop``: the paper's loop detector on the decoded tail of a sample."""
+    from vase.run.metrics import LOOP_WINDOW, has_loop
+
+    tail_tokens = LOOP_WINDOW // 2  # >= 500 characters for any tokenizer of >= 2 characters per token
+
+    def stop(tokens: list[int]) -> bool:
+        return has_loop(tokenizer.decode(tokens[-tail_tokens:], skip_special_tokens=True))
+
+    return stop
 
 
 def _grade(prep: Prepared, w: Work, fin, tokenizer, dec: Decoder) -> dict:
