@@ -13,7 +13,6 @@ import pytest
 
 from tasks.base import Problem
 from tasks.code_tasks import (
-    HumanEval,
     LiveCodeBench,
     decode_test_cases,
     lcb_outputs_match,
@@ -31,6 +30,7 @@ from tasks.grading import (
     normalize_math,
     split_thinking,
 )
+from tasks.humaneval import HumanEval
 from tasks.math_tasks import MATH500
 
 

@@ -269,7 +269,7 @@ def test_bad_revisions_are_one_line_errors(cls: type[Task], kwargs: dict, messag
 
 
 def test_a_task_without_hub_data_refuses_a_revision() -> None:
-    from tasks.code_tasks import HumanEval
+    from tasks.humaneval import HumanEval
 
     with pytest.raises(ValueError, match=r"^task.revision: task humaneval loads nothing from the hub"):
         HumanEval(revision="abc")

@@ -16,8 +16,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from tasks.base import Problem, Task, read_jsonl
-from tasks.code_tasks import LCB_HEADER, LCB_WITH_STARTER, LCB_WITHOUT_STARTER, HumanEval, LiveCodeBench, lcb_prompt
+from tasks.code_tasks import LCB_HEADER, LCB_WITH_STARTER, LCB_WITHOUT_STARTER, LiveCodeBench, lcb_prompt
 from tasks.gpqa import GPQA_INSTRUCTION, GPQADiamond, format_question, split_options
+from tasks.humaneval import HumanEval
 from tasks.math_tasks import AIME, AIME25, AIME26, GSM8K, HMMT25, MATH500, MATH_SUFFIX, GSMSymbolic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,11 +103,13 @@ def test_paper_protocol_in_configs(
 def test_stand_in_configs() -> None:
     gsm = instantiate(_config("gsm_symbolic"))
     he = instantiate(_config("humaneval"))
-    assert gsm.n_samples in (1, 2) and he.n_samples == 1
-    assert (gsm.max_length, he.max_length) == (1024, 2048)
-    assert not gsm.thinking and not he.thinking
+    assert gsm.n_samples in (1, 2) and he.n_samples == 4  # HumanEval is the embedded default: 16 problems x 4
+    assert (gsm.max_length, he.max_length) == (1024, 512)
+    assert not gsm.thinking and not he.thinking and not he.reasoning
     assert (gsm.reference_tokens("default"), he.reference_tokens("default")) == (512, 1024)  # budgets > prompts
-    assert (gsm.limit, he.limit, gsm.window, he.window) == (8, 8, 16, 16)  # a few problems on CPU; short window
+    # the offline coder's reference is its full-cache sequence (prompt + output): budget 64 at ratio 4
+    assert he.reference_tokens("qwen2.5_coder_0.5b") // 4 == 64
+    assert (gsm.limit, he.limit, gsm.window, he.window) == (8, 16, 16, 16)  # a few problems on CPU; short window
     assert instantiate(_config("gsm8k")).limit == 500
     assert instantiate(_config("aime25")).window is None  # the runner's default (64)
 
