@@ -94,6 +94,16 @@ def pilot_table(root: str | Path) -> pd.DataFrame:
     return out.sort_values(["task", "model", "_order", "budget"]).drop(columns="_order").reset_index(drop=True)
 
 
+def _budget(b) -> str:
+    """A budget cell: ``64``, or ``–`` for the full cache (NaN / None / empty)."""
+    if b is None or (isinstance(b, float) and math.isnan(b)) or str(b) in ("", "nan", "None"):
+        return "–"
+    try:
+        return str(int(float(b)))
+    except (TypeError, ValueError):
+        return str(b)
+
+
 def _f(x, digits: int = 1) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
@@ -102,7 +112,7 @@ def pilot_markdown(table: pd.DataFrame, wall_seconds: float | None = None, comma
     """The table as Markdown, with how it was produced."""
     lines = []
     for (task, model), t in table.groupby(["task", "model"], sort=False):
-        budgets = sorted({b for b in t["budget"] if isinstance(b, str) and b and b != "nan"})
+        budgets = sorted({_budget(b) for b in t["budget"]} - {"–"}, key=lambda x: (len(x), x))
         lines.append(
             f"**{task}**, {model}, budget {', '.join(budgets) or '–'}: {int(t['problems'].max())} problems "
             f"× {int(t['samples'].max() // max(1, t['problems'].max()))} samples per policy."
@@ -117,7 +127,7 @@ def pilot_markdown(table: pd.DataFrame, wall_seconds: float | None = None, comma
             done = "" if r["complete"] else " †"
             delta = "–" if math.isnan(r["delta_vs_full"]) else f"{r['delta_vs_full']:+.1f} ± {_f(r['delta_se'])}"
             lines.append(
-                f"| {r['method']}{done} | {r['budget'] or '–'} | {_f(r['accuracy'])} ± {_f(r['accuracy_se'])} | "
+                f"| {r['method']}{done} | {_budget(r['budget'])} | {_f(r['accuracy'])} ± {_f(r['accuracy_se'])} | "
                 f"{delta} | "
                 f"{_f(r['loop_rate'])} | {_f(r['garbage_rate'])} | {_f(r['truncated_rate'])} | "
                 f"{_f(r['mean_output_tokens'], 0)} | {_f(r['compression_ratio'], 2)} | "
