@@ -1,10 +1,10 @@
 """The authors' eviction scores, step by step in the cache's dtype, as a reference for ``protocol.score_dtype``.
 
-terarachang/VaSE at bfa2692, ``eval/reasoning_tasks/modified/transformers/cache_utils.py`` (``EvictLayer._run_eviction``)
-computes every score in the KV cache's dtype (bf16 in the paper) with plain tensor operations, each of which returns a
-bf16 tensor and therefore rounds once. Written here from that description, one operation per line, in their order and
-on their shapes (no chunking, no algebraic shortcut), so that ``vase.engine.scores`` with ``dtype=torch.bfloat16`` can be
-checked against it bit for bit:
+terarachang/VaSE at bfa2692, ``eval/reasoning_tasks/modified/transformers/cache_utils.py``
+(``EvictLayer._run_eviction``) computes every score in the KV cache's dtype (bf16 in the paper) with plain tensor
+operations, each of which returns a bf16 tensor and therefore rounds once. Written here from that description, one
+operation per line, in their order and on their shapes (no chunking, no algebraic shortcut), so that
+``vase.engine.scores`` with ``dtype=torch.bfloat16`` can be checked against it bit for bit:
 
 * attention (their ``compute_attention_scores``, lines 143-168): ``(q @ kᵀ) / (sqrt(D)·T)`` on ``(B, H, G, Wq, N)``;
   softmax computed in float32 and cast back; mean over the window queries; ``avg_pool1d`` (kernel 5, padding 2) per

@@ -84,6 +84,8 @@ def make_run(
     group: str | None = "sweep-a",
     decode_seconds: list[float] | None = None,
     throughput: bool = True,
+    rules: dict[str, dict[str, list[int]]] | None = None,
+    protocol: str | None = None,
 ) -> Path:
     """Write one synthetic run directory in the runner's format (``vase.run.records``: ``samples.jsonl`` and one
     ``throughput.jsonl`` line per problem, as if each problem had decoded in its own stretch).
@@ -92,7 +94,8 @@ def make_run(
     ``length`` for a ``truncated`` class, else ``eos``), an evicting policy holds ``min(total, budget)`` tokens at the
     end, 100 bytes per token, evictions ``1 + sample`` (0 for the full cache). Per problem ``j`` (a throughput line):
     rows = its samples, 500 · budget allocated bytes per row, decode seconds ``decode_seconds[j]`` (default 1), peak
-    memory ``2**30 + j``.
+    memory ``2**30 + j``. ``rules``: grader rule -> per-problem verdicts, stored apart (``correct_<rule>``) as a
+    boxed-answer task's runner does; ``protocol``: the preset's name in ``protocol.json``.
     """
     d = root / dirname
     d.mkdir(parents=True)
@@ -114,7 +117,10 @@ def make_run(
         "logger": {"group": group},
     }
     (d / "config.yaml").write_text(yaml.safe_dump(config))
-    (d / "protocol.json").write_text(json.dumps({"policy": {"name": policy, "kind": KINDS.get(policy, "eviction")}}))
+    proto: dict = {"policy": {"name": policy, "kind": KINDS.get(policy, "eviction")}}
+    if protocol is not None:
+        proto["protocol"] = {"name": protocol}
+    (d / "protocol.json").write_text(json.dumps(proto))
     rows, lines = [], []
     i = 0
     for j, (pid, cs) in enumerate(correct.items()):
@@ -133,9 +139,18 @@ def make_run(
                     "sample": s,
                     "seed": 1000 * seed + 10 * j + s,
                     "output": "x",
+                    "grader": "strict",
                     "extracted": "1" if c else None,
                     "correct": bool(c),
                     "grade_detail": "",
+                    **{
+                        key: value
+                        for rule, by_pid in (rules or {}).items()
+                        for key, value in (
+                            (f"extracted_{rule}", "1" if by_pid[pid][s] else None),
+                            (f"correct_{rule}", bool(by_pid[pid][s])),
+                        )
+                    },
                     "finish_reason": reason,
                     "error": "non-finite logits" if reason == "nonfinite" else None,
                     "cut_by_limit": reason == "length",
@@ -686,7 +701,9 @@ def test_make_run_writes_the_runners_sample_schema(tmp_path: Path):
 
     stats = {"held_tokens": 40.0, "decode_steps": 4, "evictions": 1, "eviction_seconds": 0.01, "attended_tokens": None}
     finished = SimpleNamespace(finish_reason="eos", prompt_len=10, tokens=[1] * 5, stats=stats, sample=0, seed=1)
-    grade = SimpleNamespace(extracted="1", correct=True, detail="", truncated=False)
+    from tasks.base import Grade
+
+    grade = Grade("1", True, False, "")
     real = sample_row(
         SimpleNamespace(id="p0", meta={}),
         finished,

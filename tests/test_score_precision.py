@@ -196,9 +196,10 @@ def test_bf16_and_float32_keep_different_sets_on_random_caches():
     keep32 = SnapKV(budget=120, window=20).keep(inp32).sort(dim=-1).values
     keep16 = SnapKV(budget=120, window=20).keep(inp16).sort(dim=-1).values
     assert not torch.equal(keep32, keep16)
-    overlap = sum(
-        len(set(a.tolist()) & set(c.tolist())) for a, c in zip(keep32.flatten(0, 1), keep16.flatten(0, 1))
-    ) / keep32[..., 0].numel()
+    overlap = (
+        sum(len(set(a.tolist()) & set(c.tolist())) for a, c in zip(keep32.flatten(0, 1), keep16.flatten(0, 1)))
+        / keep32[..., 0].numel()
+    )
     assert overlap > 0.9 * 100
 
 

@@ -1,13 +1,15 @@
 """Pure tensor math shared by the eviction and selection policies (no model, no cache).
 
-Every function is vectorised over the batch, the heads and the candidates and states its shapes. The scores compute in
-``dtype``: float32 by default (the harness), or bfloat16 to round as the authors' code does (``protocol=paper``,
-docs/protocol.md): their scores are computed in the KV cache's bf16 with their order of operations, which rounds the
-attention logits to ~0.05-0.1 and creates ties at the top-k boundary. The engine hands the choice to every policy as
-``EvictionInputs.score_dtype``; a score comes back in that dtype, so what a policy computes from it (R-KV's mixture)
-rounds the same way. Sampling keys are float64 either way. ``B`` = rows, ``H`` = KV heads, ``Hq`` = query heads (``Hq % H == 0``; query head ``j``
-belongs to KV head ``j // (Hq // H)``, transformers' layout), ``Wq`` = window queries, ``N`` = candidates,
-``D`` = head dim, ``P`` = pages, ``r`` = sketch rank.
+Every function is vectorised over the batch, the heads and the candidates and states its shapes: ``B`` = rows,
+``H`` = KV heads, ``Hq`` = query heads (``Hq % H == 0``; query head ``j`` belongs to KV head ``j // (Hq // H)``,
+transformers' layout), ``Wq`` = window queries, ``N`` = candidates, ``D`` = head dim, ``P`` = pages, ``r`` = sketch
+rank.
+
+The scores compute in ``dtype``: float32 by default (the harness), or bfloat16 to round as the authors' code does
+(``protocol=paper``, docs/protocol.md): they compute every score in the KV cache's bf16 with their order of operations,
+which rounds the attention logits to ~0.05-0.1 and creates ties at the top-k boundary. The engine hands the choice to
+every policy as ``EvictionInputs.score_dtype``; a score comes back in that dtype, so what a policy computes from it
+(R-KV's mixture) rounds the same way. Sampling keys are float64 either way.
 
 * :func:`windowed_attention_score` — the SnapKV-style score of SnapKV, R-KV and VaSE-AttnV (method.md §2).
 * :func:`value_statistic` — the value-magnitude statistic VaSE protects (range, L2, abs-max, variance).
@@ -32,6 +34,8 @@ def score_dtype(name: str) -> torch.dtype:
     if name not in SCORE_DTYPES:
         raise ValueError(f"protocol.score_dtype: unknown {name!r}; choose one of {', '.join(SCORE_DTYPES)}")
     return SCORE_DTYPES[name]
+
+
 SMOOTH_ALONG = ("storage", "position")
 GROUP_REDUCE = ("max", "sum")
 
@@ -205,9 +209,9 @@ def redundancy_score(keys: torch.Tensor, eps: float = 1e-8, dtype: torch.dtype =
 
 
 def _redundancy_rounded(keys: torch.Tensor, eps: float, dtype: torch.dtype, block: int = 512) -> torch.Tensor:
-    """R-KV's redundancy as the authors compute it in ``dtype``: normalised keys, the cosine matrix (each entry rounded),
-    the diagonal zeroed, the mean over the first candidate axis, a softmax. Built ``block`` columns at a time (the
-    column means are those of the full matrix), so memory is ``O(N·block)``. ``(B, H, N, D)`` -> ``(B, H, N)``."""
+    """R-KV's redundancy as the authors compute it in ``dtype``: normalised keys, the cosine matrix (each entry
+    rounded), the diagonal zeroed, the mean over the first candidate axis, a softmax. Built ``block`` columns at a time
+    (the column means are those of the full matrix), so memory is ``O(N·block)``. ``(B, H, N, D)`` -> ``(B, H, N)``."""
     k = keys.to(dtype)
     k = k / (k.norm(dim=-1, keepdim=True) + eps)
     n = k.shape[-2]
