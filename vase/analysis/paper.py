@@ -24,6 +24,9 @@ class PaperRow:
         settings: the policy fields that make this row (beyond the budget and window); a run matches the row when
             its policy is ``policy`` and its fields have these values.
         authors: the authors' command-line mode at ``bfa2692`` (``--mode ...``), or what else produced the number.
+            ``myscripts/run_gsm8k.sh`` lists the commands of SnapKV, VaSE-AttnV, CurDKV, VaSE-DKV and the full cache;
+            the ablations' modes (``attn_sample``, ``range_attn``, ``evict_large_range``) are those of
+            ``cache_utils.py`` with the same flags.
         accuracy: pass@1, %.
     """
 
