@@ -779,3 +779,24 @@ def test_throughput_memory_figure_draws_the_summary(tree_dir: Path):
     assert bars(axes[2], "GSM8K")[:3] == pytest.approx([64000 / 2**20, 64000 / 2**20, 128000 / 2**20])
     assert bars(axes[3], "GSM8K")[:2] == pytest.approx([110 * 100 / 2**20, 64 * 100 / 2**20])  # held per sample
     assert bars(axes[5], "MATH")[:2] == pytest.approx([1.0, 110 / 64])
+
+
+def test_accuracy_under_both_grader_rules_and_two_protocols_kept_apart(tmp_path: Path):
+    from vase.analysis.tables import paper_tables
+
+    root = tmp_path / "r"
+    ok, half = {"p0": [1, 1], "p1": [1, 0]}, {"p0": [1, 0], "p1": [0, 0]}
+    make_run(root, "a", "math500", "snapkv", 64, ok, rules={"strict": half, "last_boxed": ok}, protocol="paper")
+    make_run(root, "b", "math500", "snapkv", 64, half, rules={"strict": half, "last_boxed": ok})
+    make_run(root, "c", "humaneval", "snapkv", 64, half)  # one grader: no per-rule columns
+    s = summarize(load_tree(root))
+    paper = s[s["policy"] == "snapkv[protocol=paper]"].iloc[0]
+    default = s[s["policy"] == "snapkv[protocol=default]"].iloc[0]
+    assert paper["accuracy"] == 75.0 and paper["accuracy_last_boxed"] == 75.0 and paper["accuracy_strict"] == 25.0
+    assert default["accuracy"] == 25.0 and default["accuracy_strict"] == 25.0
+    code = s[s["task"] == "humaneval"].iloc[0]
+    assert math.isnan(code["accuracy_strict"]) and code["grader"] == "strict"
+    names = {t.name for t in paper_tables(s)}
+    assert {"accuracy_m_B64", "accuracy_m_B64_strict", "accuracy_m_B64_last_boxed"} <= names
+    strict = next(t for t in paper_tables(s) if t.name == "accuracy_m_B64_strict")
+    assert "grader: strict" in strict.caption and set(strict.data["policy"]) == set(s["policy"][s["task"] == "math500"])
