@@ -4,10 +4,11 @@
     python run.py policy=vase_dkv ratio=4 task=aime model=qwen3_4b
     python run.py -m policy=full,snapkv,vase_attnv task=math500      # a multirun
     python run.py -m sweep=main_table hydra/launcher=slurm          # a committed sweep on SLURM
+    python run.py protocol=paper task=math500 model=qwen3_4b        # the authors' protocol knob for knob
 
-Config groups (conf/): model, task, policy, generation, logger, sweep, hydra/launcher. Top-level keys: ratio,
-budget, window, seed, n_samples, limit, results_dir, run_dir, pass_k. Results: results/<task>/<model>/<run>/.
-Rerunning the same command resumes it.
+Config groups (conf/): model, task, policy, generation, protocol (default | paper: docs/protocol.md), pilot_row,
+logger, sweep, hydra/launcher. Top-level keys: ratio, budget, window, seed, n_samples, limit, results_dir, run_dir,
+pass_k. Results: results/<task>/<model>/<run>/. Rerunning the same command resumes it.
 
 Before Hydra starts (so nothing is written), the command line is composed with Hydra's compose API and every setting
 checked (:func:`check_overrides`, :mod:`vase.run.checks`): a typo or a bad value is one line on stderr with a
@@ -22,7 +23,7 @@ import sys
 from pathlib import Path
 
 CONF = Path(__file__).resolve().parent / "conf"
-GROUPS = ("model", "task", "policy", "generation", "logger", "sweep", "hydra/launcher")
+GROUPS = ("model", "task", "policy", "generation", "protocol", "pilot_row", "logger", "sweep", "hydra/launcher")
 log = logging.getLogger("vase")
 
 
@@ -239,8 +240,11 @@ def print_summary(metrics: dict, budget_free: bool = False) -> None:
         "budget",
         "problems",
         "samples",
+        "grader",
         "accuracy",
         "accuracy_stderr",
+        "accuracy_strict",
+        "accuracy_last_boxed",
         "pass@1",
         "answered_rate",
         "loop_rate",

@@ -40,5 +40,5 @@ class EvictLargeValue(EvictionPolicy):
 
     def keep(self, inputs: EvictionInputs) -> torch.Tensor:
         """``(B, H, n_keep)`` int64: the sinks, then by increasing value statistic."""
-        stat = value_statistic(inputs.values, self.value_stat)
+        stat = value_statistic(inputs.values, self.value_stat, dtype=inputs.score_dtype)
         return topk_with_protection(-stat, inputs.n_keep, protected=inputs.positions < self.sinks)

@@ -49,6 +49,6 @@ class RKV(WindowedAttentionEviction):
         )
 
     def score(self, inputs: EvictionInputs) -> torch.Tensor:
-        """``(B, H, N)`` float32 ``λ·attn − (1 − λ)·redundancy``."""
+        """``(B, H, N)`` ``λ·attn − (1 − λ)·redundancy`` in ``inputs.score_dtype`` (each operation rounds in it)."""
         attn = super().score(inputs)
-        return self.rkv_lambda * attn - (1 - self.rkv_lambda) * redundancy_score(inputs.keys)
+        return self.rkv_lambda * attn - (1 - self.rkv_lambda) * redundancy_score(inputs.keys, dtype=inputs.score_dtype)

@@ -74,12 +74,20 @@ class Grade:
         truncated: the output ended inside the thinking (no ``</think>``), so nothing was extracted.
         detail: why it is not correct (``"no_box"``, ``"no_choice"``, ``"no_code"``, ``"truncated"``,
             ``"wrong_answer"``, ``"no_tests"``, a sandbox status such as ``"timeout"``...), empty when correct.
+        rules: for a task with several grader rules (:attr:`Task.grader_rules`: ``strict`` and ``last_boxed`` for
+            boxed answers), the grade under each, by name; the fields above are the ``strict`` rule's. Empty for a
+            task with one rule.
     """
 
     extracted: str | None
     correct: bool
     truncated: bool
     detail: str = ""
+    rules: dict[str, Grade] = field(default_factory=dict)
+
+    def under(self, rule: str) -> Grade:
+        """The grade under grader ``rule`` (this grade itself when the task has only one rule)."""
+        return self.rules.get(rule, self)
 
 
 def iter_jsonl(path: str | Path) -> Iterator[dict]:
@@ -132,6 +140,8 @@ class Task:
     window: int | None = None
     revision: Any = None
 
+    #: the grader rules this task applies to every output (the first is the default); see :attr:`Grade.rules`
+    grader_rules: ClassVar[tuple[str, ...]] = ("strict",)
     #: file name of the task in ``data_dir``
     local_file: ClassVar[str | None] = None
     #: the hub datasets' pinned revisions, by part: ``{"": sha}`` for a task that loads one dataset,

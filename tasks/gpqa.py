@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tasks.base import Grade, Problem, Task
-from tasks.grading import extract_choice
+from tasks.grading import GRADER_RULES, extract_choice, extract_choice_last_boxed
 
 LETTERS = "ABCD"
 GPQA_INSTRUCTION = (
@@ -98,6 +98,7 @@ class GPQADiamond(Task):
     seed: int = 0
     local_file: ClassVar[str] = "gpqa_diamond.jsonl"
     pins: ClassVar[dict[str, str]] = {"": GPQA_REVISION}
+    grader_rules: ClassVar[tuple[str, ...]] = GRADER_RULES
 
     def problem_from_row(self, row: dict, index: int) -> Problem:
         """Local row: ``id``, ``question`` (formatted), ``answer`` (letter)."""
@@ -139,13 +140,21 @@ class GPQADiamond(Task):
         }
 
     def grade(self, problem: Problem, output: str, thinking: bool | None = None) -> Grade:
-        """The chosen letter (boxed or stated) against the gold letter."""
-        letter, truncated = extract_choice(
-            output, self.thinking if thinking is None else thinking, LETTERS, problem.meta.get("options")
-        )
+        """The chosen letter (boxed or stated, ``strict``; the last ``boxed`` anywhere, ``last_boxed`` in
+        ``Grade.rules``) against the gold letter."""
+        think = self.thinking if thinking is None else thinking
+        gold = str(problem.answer).upper()
+        letter, truncated = extract_choice(output, think, LETTERS, problem.meta.get("options"))
         if truncated:
-            return Grade(None, False, True, "truncated")
+            strict = Grade(None, False, True, "truncated")
+        elif letter is None:
+            strict = Grade(None, False, False, "no_choice")
+        else:
+            strict = Grade(letter, letter == gold, False, "" if letter == gold else "wrong_answer")
+        letter, truncated = extract_choice_last_boxed(output, think, LETTERS)
         if letter is None:
-            return Grade(None, False, False, "no_choice")
-        ok = letter == str(problem.answer).upper()
-        return Grade(letter, ok, False, "" if ok else "wrong_answer")
+            last = Grade(None, False, truncated, "no_choice")
+        else:
+            last = Grade(letter, letter == gold, truncated, "" if letter == gold else "wrong_answer")
+        rules = {"strict": strict, "last_boxed": last}
+        return Grade(strict.extracted, strict.correct, strict.truncated, strict.detail, rules=rules)

@@ -3,7 +3,17 @@
 Extraction is kept apart from correctness: every ``extract_*`` function returns the answer as written (or ``None``),
 and the ``*_equal`` / ``grade_*`` functions decide correctness.
 
-Rules (see ``tests/test_grading.py`` for the golden table):
+Two grader rules read the same output (``protocol.grader`` names the one ``accuracy`` uses; runs report both,
+docs/protocol.md):
+
+* ``strict`` (the harness default): the rules below;
+* ``last_boxed`` (the authors' parser, terarachang/VaSE ``Utils/parser.py`` ``extract_answer``): the text after the last
+  ``boxed`` anywhere in the output, the thinking included and even when it never closed (:func:`extract_last_boxed`);
+  for multiple choice, the last stand-alone letter in that box (their ``choice_answer_clean``,
+  :func:`extract_choice_last_boxed`). No fallback without a box. Equivalence is the same math-verify check as
+  ``strict``, so the two rules differ only in where the answer is read.
+
+The ``strict`` rules (see ``tests/test_grading.py`` for the golden table):
 
 * The answer section is the text after the last ``</think>``. When the model thinks and no ``</think>`` was written,
   the output was cut off inside the thinking: nothing is extracted (a ``\\boxed{}`` inside the thinking never counts)
@@ -34,6 +44,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 logger = logging.getLogger(__name__)
 
+GRADER_RULES = ("strict", "last_boxed")
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 MATH_TIMEOUT_S = 5
@@ -146,6 +157,50 @@ def extract_math_answer(output: str, thinking: bool) -> tuple[str | None, bool]:
     if truncated:
         return None, True
     return last_boxed(section), False
+
+
+def extract_last_boxed(output: str) -> str | None:
+    """The authors' answer: what follows the last ``boxed`` anywhere in ``output`` (``None`` when there is none).
+
+    Their rule, step for step: the text after the last occurrence of ``boxed`` (so ``\\boxed``, also inside an
+    unfinished thinking); if it opens with ``{``, everything up to the brace that closes it (to the end of the text
+    when it never closes: a cut-off box counts), else up to the next ``$``, stripped; then line breaks and the spaces
+    after them removed, one leading ``:`` and one trailing ``.`` and ``/`` dropped. An empty answer is ``None``.
+    """
+    output = output.replace("\u043a\u0438", "")  # a stray token their parser deletes first
+    if "boxed" not in output:
+        return None
+    rest = output.rsplit("boxed", 1)[1]
+    if rest.startswith("{"):
+        depth, chars = 1, []
+        for ch in rest[1:]:
+            if ch == "{":
+                depth += 1
+            elif ch == "}":
+                depth -= 1
+                if depth == 0:
+                    break
+            chars.append(ch)
+        answer = "".join(chars)
+    else:
+        answer = rest.split("$")[0].strip()
+    answer = re.sub(r"\n\s*", "", answer)
+    answer = answer[1:] if answer.startswith(":") else answer
+    answer = answer[:-1] if answer.endswith(".") else answer
+    answer = answer[:-1] if answer.endswith("/") else answer
+    return answer or None
+
+
+def extract_answer(output: str, thinking: bool, rule: str) -> tuple[str | None, bool]:
+    """``(answer or None, truncated)`` of a boxed-answer output under grader ``rule`` (:data:`GRADER_RULES`).
+
+    ``truncated`` describes the output (it ended inside the thinking) under either rule.
+    """
+    if rule == "strict":
+        return extract_math_answer(output, thinking)
+    if rule == "last_boxed":
+        return extract_last_boxed(output), split_thinking(output, thinking)[1]
+    raise ValueError(f"protocol.grader: unknown rule {rule!r}; choose one of {', '.join(GRADER_RULES)}")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -336,6 +391,18 @@ def extract_choice(
         if m and m.group(1).upper() in letters:
             return m.group(1).upper(), False
     return None, False
+
+
+def extract_choice_last_boxed(output: str, thinking: bool, letters: str = "ABCD") -> tuple[str | None, bool]:
+    """``(letter or None, truncated)`` under the authors' rule: the last stand-alone capital ``A``-``E`` (after
+    upper-casing) in the last ``boxed`` of the output (:func:`extract_last_boxed`), if it is one of ``letters``."""
+    truncated = split_thinking(output, thinking)[1]
+    content = extract_last_boxed(output)
+    if content is None:
+        return None, truncated
+    found = re.findall(r"\b(A|B|C|D|E)\b", content.upper())
+    letter = found[-1] if found else content.strip().strip(".").upper()
+    return (letter if letter in letters and len(letter) == 1 else None), truncated
 
 
 # --------------------------------------------------------------------------------------------------------------------

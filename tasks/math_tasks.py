@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from tasks.base import Grade, Problem, Task
-from tasks.grading import extract_math_answer, math_equal, math_equal_many
+from tasks.grading import GRADER_RULES, extract_answer, math_equal_many
 
 logger = logging.getLogger(__name__)
 
@@ -45,36 +45,40 @@ class MathTask(Task):
     """A task whose gold is a math expression and whose output ends with ``\\boxed{answer}``."""
 
     prompt_suffix: ClassVar[str] = MATH_SUFFIX
+    grader_rules: ClassVar[tuple[str, ...]] = GRADER_RULES
 
     def make_prompt(self, problem_text: str) -> str:
         """The user message: the problem followed by the task's instruction."""
         return problem_text.strip() + self.prompt_suffix
 
     def grade(self, problem: Problem, output: str, thinking: bool | None = None) -> Grade:
-        """Last boxed answer after ``</think>``, checked with math-verify against the gold."""
-        extracted, truncated = extract_math_answer(output, self.thinking if thinking is None else thinking)
-        if truncated:
-            return Grade(None, False, True, "truncated")
-        if extracted is None:
-            return Grade(None, False, False, "no_box")
-        ok = math_equal(str(problem.answer), extracted)
-        return Grade(extracted, ok, False, "" if ok else "wrong_answer")
+        """The last boxed answer after ``</think>`` (``strict``), and the last ``boxed`` anywhere (``last_boxed``, in
+        ``Grade.rules``), each checked with math-verify against the gold."""
+        return self.grade_many([(problem, output)], thinking)[0]
 
     def grade_many(self, items: list[tuple[Problem, str]], thinking: bool | None = None) -> list[Grade]:
         """Like :meth:`grade` for each item; the math-verify checks run with timeouts (worker processes when this
-        is not the main thread)."""
+        is not the main thread), once per distinct (gold, answer) pair."""
         think = self.thinking if thinking is None else thinking
-        extracted = [extract_math_answer(out, think) for _, out in items]
-        todo = [i for i, (ans, trunc) in enumerate(extracted) if ans is not None and not trunc]
-        verdicts = dict(zip(todo, math_equal_many([(str(items[i][0].answer), extracted[i][0]) for i in todo])))
+        found = {rule: [extract_answer(out, think, rule) for _, out in items] for rule in self.grader_rules}
+        pairs = sorted(
+            {(str(items[i][0].answer), ans) for rule in found for i, (ans, _) in enumerate(found[rule]) if ans},
+        )
+        verdicts = dict(zip(pairs, math_equal_many(pairs)))
         grades = []
-        for i, (ans, trunc) in enumerate(extracted):
-            if trunc:
-                grades.append(Grade(None, False, True, "truncated"))
-            elif ans is None:
-                grades.append(Grade(None, False, False, "no_box"))
-            else:
-                grades.append(Grade(ans, verdicts[i], False, "" if verdicts[i] else "wrong_answer"))
+        for i, (problem, _) in enumerate(items):
+            by_rule = {}
+            for rule in self.grader_rules:
+                ans, trunc = found[rule][i]
+                if rule == "strict" and trunc:
+                    by_rule[rule] = Grade(None, False, True, "truncated")
+                elif ans is None:
+                    by_rule[rule] = Grade(None, False, trunc, "no_box")
+                else:
+                    ok = verdicts[(str(problem.answer), ans)]
+                    by_rule[rule] = Grade(ans, ok, trunc, "" if ok else "wrong_answer")
+            top = by_rule["strict"]
+            grades.append(Grade(top.extracted, top.correct, top.truncated, top.detail, rules=by_rule))
         return grades
 
 

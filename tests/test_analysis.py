@@ -84,6 +84,8 @@ def make_run(
     group: str | None = "sweep-a",
     decode_seconds: list[float] | None = None,
     throughput: bool = True,
+    rules: dict[str, dict[str, list[int]]] | None = None,
+    protocol: str | None = None,
 ) -> Path:
     """Write one synthetic run directory in the runner's format (``vase.run.records``: ``samples.jsonl`` and one
     ``throughput.jsonl`` line per problem, as if each problem had decoded in its own stretch).
@@ -92,7 +94,8 @@ def make_run(
     ``length`` for a ``truncated`` class, else ``eos``), an evicting policy holds ``min(total, budget)`` tokens at the
     end, 100 bytes per token, evictions ``1 + sample`` (0 for the full cache). Per problem ``j`` (a throughput line):
     rows = its samples, 500 · budget allocated bytes per row, decode seconds ``decode_seconds[j]`` (default 1), peak
-    memory ``2**30 + j``.
+    memory ``2**30 + j``. ``rules``: grader rule -> per-problem verdicts, stored apart (``correct_<rule>``) as a
+    boxed-answer task's runner does; ``protocol``: the preset's name in ``protocol.json``.
     """
     d = root / dirname
     d.mkdir(parents=True)
@@ -114,7 +117,10 @@ def make_run(
         "logger": {"group": group},
     }
     (d / "config.yaml").write_text(yaml.safe_dump(config))
-    (d / "protocol.json").write_text(json.dumps({"policy": {"name": policy, "kind": KINDS.get(policy, "eviction")}}))
+    proto: dict = {"policy": {"name": policy, "kind": KINDS.get(policy, "eviction")}}
+    if protocol is not None:
+        proto["protocol"] = {"name": protocol}
+    (d / "protocol.json").write_text(json.dumps(proto))
     rows, lines = [], []
     i = 0
     for j, (pid, cs) in enumerate(correct.items()):
@@ -133,9 +139,18 @@ def make_run(
                     "sample": s,
                     "seed": 1000 * seed + 10 * j + s,
                     "output": "x",
+                    "grader": "strict",
                     "extracted": "1" if c else None,
                     "correct": bool(c),
                     "grade_detail": "",
+                    **{
+                        key: value
+                        for rule, by_pid in (rules or {}).items()
+                        for key, value in (
+                            (f"extracted_{rule}", "1" if by_pid[pid][s] else None),
+                            (f"correct_{rule}", bool(by_pid[pid][s])),
+                        )
+                    },
                     "finish_reason": reason,
                     "error": "non-finite logits" if reason == "nonfinite" else None,
                     "cut_by_limit": reason == "length",
@@ -686,7 +701,9 @@ def test_make_run_writes_the_runners_sample_schema(tmp_path: Path):
 
     stats = {"held_tokens": 40.0, "decode_steps": 4, "evictions": 1, "eviction_seconds": 0.01, "attended_tokens": None}
     finished = SimpleNamespace(finish_reason="eos", prompt_len=10, tokens=[1] * 5, stats=stats, sample=0, seed=1)
-    grade = SimpleNamespace(extracted="1", correct=True, detail="", truncated=False)
+    from tasks.base import Grade
+
+    grade = Grade("1", True, False, "")
     real = sample_row(
         SimpleNamespace(id="p0", meta={}),
         finished,
@@ -762,3 +779,24 @@ def test_throughput_memory_figure_draws_the_summary(tree_dir: Path):
     assert bars(axes[2], "GSM8K")[:3] == pytest.approx([64000 / 2**20, 64000 / 2**20, 128000 / 2**20])
     assert bars(axes[3], "GSM8K")[:2] == pytest.approx([110 * 100 / 2**20, 64 * 100 / 2**20])  # held per sample
     assert bars(axes[5], "MATH")[:2] == pytest.approx([1.0, 110 / 64])
+
+
+def test_accuracy_under_both_grader_rules_and_two_protocols_kept_apart(tmp_path: Path):
+    from vase.analysis.tables import paper_tables
+
+    root = tmp_path / "r"
+    ok, half = {"p0": [1, 1], "p1": [1, 0]}, {"p0": [1, 0], "p1": [0, 0]}
+    make_run(root, "a", "math500", "snapkv", 64, ok, rules={"strict": half, "last_boxed": ok}, protocol="paper")
+    make_run(root, "b", "math500", "snapkv", 64, half, rules={"strict": half, "last_boxed": ok})
+    make_run(root, "c", "humaneval", "snapkv", 64, half)  # one grader: no per-rule columns
+    s = summarize(load_tree(root))
+    paper = s[s["policy"] == "snapkv[protocol=paper]"].iloc[0]
+    default = s[s["policy"] == "snapkv[protocol=default]"].iloc[0]
+    assert paper["accuracy"] == 75.0 and paper["accuracy_last_boxed"] == 75.0 and paper["accuracy_strict"] == 25.0
+    assert default["accuracy"] == 25.0 and default["accuracy_strict"] == 25.0
+    code = s[s["task"] == "humaneval"].iloc[0]
+    assert math.isnan(code["accuracy_strict"]) and code["grader"] == "strict"
+    names = {t.name for t in paper_tables(s)}
+    assert {"accuracy_m_B64", "accuracy_m_B64_strict", "accuracy_m_B64_last_boxed"} <= names
+    strict = next(t for t in paper_tables(s) if t.name == "accuracy_m_B64_strict")
+    assert "grader: strict" in strict.caption and set(strict.data["policy"]) == set(s["policy"][s["task"] == "math500"])

@@ -61,7 +61,9 @@ def test_run_panels_bind_to_what_the_runner_logs(tmp_path: Path):
 
     from vase.run.runner import compute_metrics
 
-    run = make_run(tmp_path, "run", "gsm8k", "snapkv", 64, {f"p{i}": [1, 0] * 8 for i in range(3)})
+    correct = {f"p{i}": [1, 0] * 8 for i in range(3)}
+    # a boxed-answer task: the runner logs both grader rules
+    run = make_run(tmp_path, "run", "gsm8k", "snapkv", 64, correct, rules={"strict": correct, "last_boxed": correct})
     info = {"policy": "snapkv", "policy_kind": "eviction", "task": "gsm8k", "model": "m"}  # as the runner's info
     info |= {"budget_source": "explicit", "budget": 64, "window": 32, "ratio": 4, "run_dir": str(run)}
     logged = set(compute_metrics(run, ["p0", "p1", "p2"], 16, info, [1, 2, 4, 8, 16]))
@@ -71,6 +73,7 @@ def test_run_panels_bind_to_what_the_runner_logs(tmp_path: Path):
     # the efficiency section tells the static allocation apart from what the outputs needed
     assert {"kv_allocated_bytes", "kv_held_bytes_mean", "kv_full_bytes_mean", "rows_in_flight"} <= summary_keys
     assert {"nonfinite_rate", "prompt_too_long_samples", "cut_by_limit_rate"} <= summary_keys
+    assert {"accuracy_strict", "accuracy_last_boxed"} <= summary_keys
     assert summary_keys <= logged, f"bound but never logged: {summary_keys - logged}"
     assert set(D.RUN_SUMMARY_KEYS) <= logged
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import pickle
+import re
 import threading
 import zlib
 
@@ -21,8 +22,10 @@ from tasks.code_tasks import (
 )
 from tasks.gpqa import GPQADiamond
 from tasks.grading import (
+    GRADER_RULES,
     extract_choice,
     extract_code,
+    extract_last_boxed,
     find_boxes,
     last_boxed,
     math_equal,
@@ -242,6 +245,123 @@ def test_truncation_flags() -> None:
     assert (nobox.truncated, nobox.detail) == (False, "no_box")
     wrong = task.grade(Problem("p", "q", "70"), T + "\\boxed{7}", True)
     assert (wrong.extracted, wrong.detail) == ("7", "wrong_answer")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the two grader rules: strict (above) and the authors' last_boxed, on the same outputs
+
+
+def ref_last_boxed(text: str) -> str | None:
+    """The authors' parser (terarachang/VaSE Utils/parser.py extract_answer), written out by hand: after the last
+    "boxed", the brace-balanced content (to the end if it never closes) or the text up to "$"; newlines and the
+    whitespace after them removed; one leading ":" and one trailing "." and "/" dropped."""
+    i = text.rfind("boxed")
+    if i < 0:
+        return None
+    rest = text[i + len("boxed") :]
+    if rest.startswith("{"):
+        depth, end = 0, len(rest)
+        for j, ch in enumerate(rest):
+            depth += (ch == "{") - (ch == "}")
+            if depth == 0:
+                end = j
+                break
+        rest = rest[1:end]
+    else:
+        rest = rest.split("$")[0].strip()
+    pieces = rest.split("\n")
+    rest = pieces[0] + "".join(p.lstrip() for p in pieces[1:])
+    if rest.startswith(":"):
+        rest = rest[1:]
+    for tail in (".", "/"):
+        if rest.endswith(tail):
+            rest = rest[: -len(tail)]
+    return rest or None
+
+
+def ref_last_letter(text: str) -> str | None:
+    """Their choice rule: the last stand-alone capital A-E of the upper-cased last box."""
+    content = ref_last_boxed(text)
+    if content is None:
+        return None
+    words = [w for w in re.split(r"[^A-Za-z0-9_]+", content.upper()) if w in ("A", "B", "C", "D", "E")]
+    letter = words[-1] if words else None
+    return letter if letter in ("A", "B", "C", "D") else None
+
+
+@pytest.mark.parametrize(("gold", "output", "thinking", "expected_extracted", "expected_correct"), MATH_ROWS)
+def test_math_both_rules_on_the_golden_table(
+    gold: str, output: str, thinking: bool, expected_extracted: str | None, expected_correct: bool
+) -> None:
+    grade = MATH500().grade(Problem("p", "q", gold), output, thinking)
+    assert set(grade.rules) == set(GRADER_RULES)
+    strict = grade.under("strict")
+    assert (strict.extracted, strict.correct) == (expected_extracted, expected_correct)
+    assert (grade.extracted, grade.correct) == (strict.extracted, strict.correct)  # the top level is strict
+    last = grade.under("last_boxed")
+    want = ref_last_boxed(output)
+    assert last.extracted == want
+    assert last.correct is (want is not None and math_equal(gold, want))
+    assert last.truncated is strict.truncated  # a property of the output, not of the rule
+
+
+@pytest.mark.parametrize(("gold", "output", "thinking", "expected_extracted", "expected_correct"), CHOICE_ROWS)
+def test_choice_both_rules_on_the_golden_table(
+    gold: str, output: str, thinking: bool, expected_extracted: str | None, expected_correct: bool
+) -> None:
+    grade = GPQADiamond().grade(Problem("p", "q", gold, {"options": OPTIONS}), output, thinking)
+    assert (grade.under("strict").extracted, grade.under("strict").correct) == (expected_extracted, expected_correct)
+    last = grade.under("last_boxed")
+    assert last.extracted == ref_last_letter(output)
+    assert last.correct is (last.extracted == gold)
+
+
+# (gold, output, thinking, strict (extracted, correct), last_boxed (extracted, correct)): where the rules disagree
+RULE_ROWS = [
+    # cut off inside the thinking: strict reads nothing, the authors read the box the thinking wrote
+    ("70", "<think>\nLong reasoning... so far \\boxed{70} but let me double-check", True, (None, False), ("70", True)),
+    ("70", "<think>\nfirst \\boxed{71}, no wait, \\boxed{70}", True, (None, False), ("70", True)),
+    ("70", "<think>\nit is \\boxed{71} and I keep", True, (None, False), ("71", False)),
+    ("7", "<think>\nfinally \\boxed{7", True, (None, False), ("7", True)),  # a cut-off box is read to the end
+    ("70", "<think>\nnever boxes anything", True, (None, False), (None, False)),
+    # the thinking closed but the box is only inside it
+    ("70", "<think>\nSo it is \\boxed{70}.\n</think>\n\nThe answer is 70.", True, (None, False), ("70", True)),
+    # a box after the thinking: the same answer
+    ("5", "<think>\\boxed{3}</think> so \\boxed{5}", True, ("5", True), ("5", True)),
+    # strict joins adjacent boxes into one answer; the authors read the last box only
+    ("2, 3", T + "\\boxed{2} and \\boxed{3}", True, ("2, 3", True), ("3", False)),
+    # strict skips a cut-off last box; the authors read it
+    ("12", "So \\boxed{12}. Hmm, to confirm, final: \\boxed{1", False, ("12", True), ("1", False)),
+    # the word "boxed" in prose counts for the authors
+    ("5", T + "\\boxed{5} is the boxed value", True, ("5", True), ("value", False)),
+    # a box without braces: up to the next "$"
+    ("5", T + "$\\boxed 5$", True, ("5", True), ("5", True)),
+]
+
+
+@pytest.mark.parametrize(("gold", "output", "thinking", "strict", "last"), RULE_ROWS)
+def test_grader_rules_disagree_where_they_should(gold, output, thinking, strict, last) -> None:
+    grade = MATH500().grade(Problem("p", "q", gold), output, thinking)
+    assert (grade.under("strict").extracted, grade.under("strict").correct) == strict
+    assert (grade.under("last_boxed").extracted, grade.under("last_boxed").correct) == last
+    assert extract_last_boxed(output) == last[0]
+
+
+def test_choice_rules_on_truncated_thinking() -> None:
+    task, opts = GPQADiamond(), {"options": OPTIONS}
+    cut = task.grade(Problem("p", "q", "C", opts), "<think>\nI would say \\boxed{C} but", True)
+    assert (cut.extracted, cut.truncated) == (None, True) and cut.under("last_boxed").correct
+    stated = task.grade(Problem("p", "q", "C", opts), T + "The answer is C.", True)
+    assert stated.correct and stated.under("last_boxed").extracted is None  # the authors need a box
+    text = task.grade(Problem("p", "q", "C", opts), T + "\\boxed{\\text{(C)}}", True)
+    assert text.under("last_boxed").extracted == "C" and text.under("last_boxed").correct
+
+
+def test_grade_many_equals_grade_under_both_rules() -> None:
+    task = MATH500()
+    items = [(Problem(f"p{i}", "q", gold), out) for i, (gold, out, *_rest) in enumerate(MATH_ROWS[:20])]
+    for one, many in zip([task.grade(p, o, True) for p, o in items], task.grade_many(items, True)):
+        assert one == many
 
 
 # --------------------------------------------------------------------------------------------------------------------

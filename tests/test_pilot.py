@@ -47,3 +47,39 @@ def test_markdown_and_generated_block(tree: Path, tmp_path: Path):
     with pytest.raises(ValueError, match="generated block"):
         (tmp_path / "bad.md").write_text("no markers")
         update_block(tmp_path / "bad.md", text)
+
+
+def test_both_grader_rules_and_the_paper_rows_of_the_gsm8k_pilot(tmp_path: Path):
+    """A GSM8K-pilot tree under protocol=paper: the ladder rows find their own paper numbers, both rules are shown."""
+    from vase.analysis.paper import GSM8K_PILOT
+    from vase.run.records import compute_metrics
+
+    root = tmp_path / "results"
+    # 2 problems x 2 samples; `correct` is the last_boxed rule (the run's grader), strict reads one answer fewer
+    last = {"p0": [1, 1], "p1": [1, 0]}
+    strict = {"p0": [1, 0], "p1": [1, 0]}
+    make_run(root, "full", "gsm8k", "full", 512, last, rules={"last_boxed": last, "strict": strict}, protocol="paper")
+    for n in (16, 256):
+        make_run(
+            root,
+            f"protect{n}",
+            "gsm8k",
+            "snapkv_protect",
+            512,
+            last,
+            params={"n_protect": n, "sample": False, "smooth_kernel": 5, "smooth_along": "storage"},
+            rules={"last_boxed": last, "strict": strict},
+            protocol="paper",
+        )
+    t = pilot_table(root)
+    by_row = dict(zip(t["paper_row"], t["paper_gsm8k"]))
+    assert by_row == {"full": 88.0, "snapkv_protect16": 73.3, "snapkv_protect256": 80.5}
+    assert GSM8K_PILOT.row("snapkv_protect16").accuracy == 73.3
+    r = t[t["paper_row"] == "snapkv_protect16"].iloc[0]
+    assert r["accuracy_last_boxed"] == pytest.approx(75.0) and r["accuracy_strict"] == pytest.approx(50.0)
+    text = pilot_markdown(t)
+    assert "strict % | last-boxed % |" in text and "| 50.0 | 75.0 |" in text and GSM8K_PILOT.source in text
+    # the runner's metrics from the same samples.jsonl: both rules, with pass@k and stderr
+    m = compute_metrics(root / "protect16", ["p0", "p1"], 2, {}, [1, 2])
+    assert m["accuracy_strict"] == 0.5 and m["accuracy_last_boxed"] == 0.75 and m["pass@2_strict"] == 1.0
+    assert m["accuracy_strict_stderr"] == 0.0 and m["answered_rate_strict"] == 0.5

@@ -3,6 +3,9 @@
 * **Accuracy** (pass@1, %): per-problem accuracy (mean over its samples), then mean over problems. Runs of the same
   identity (seeds, shards, resumes) are pooled; a sample is counted once (``problem_id``, ``sample``, ``seed``).
 * **Standard error** (%): ``std(per-problem accuracy, ddof=1) / sqrt(n_problems)``.
+* **Grader rules**: ``accuracy`` is the runs' own grader (``grader``); a task with boxed answers also has every rule's
+  verdict on the same outputs (``accuracy_strict``, ``accuracy_last_boxed`` and their ``_se``, docs/protocol.md), NaN
+  where a run did not record the rule.
 * **Per-sample quantities** (``samples.jsonl``, the runner's :func:`~vase.run.records.compute_metrics` rules):
   failure-class rates over every sample; evictions and eviction seconds summed; KV held / full-cache bytes per sample
   and held tokens averaged over the samples decoded to the end (not ``nonfinite`` / ``prompt_too_long``); compression
@@ -30,7 +33,7 @@ from vase.analysis.labels import (
     policy_sort_key,
     task_sort_key,
 )
-from vase.analysis.load import Tree
+from vase.analysis.load import GRADER_RULES, Tree
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +62,16 @@ THROUGHPUT_METRICS = (
 )
 
 
-def per_problem_accuracy(samples: pd.DataFrame) -> pd.Series:
-    """Mean correctness of each problem's samples (index: ``problem_id``)."""
-    return samples.groupby("problem_id")["correct"].mean()
+def per_problem_accuracy(samples: pd.DataFrame, column: str = "correct") -> pd.Series:
+    """Mean correctness of each problem's samples (index: ``problem_id``), from ``column``."""
+    return samples.assign(_c=samples[column].astype(bool)).groupby("problem_id")["_c"].mean()
 
 
-def accuracy_and_se(samples: pd.DataFrame) -> tuple[float, float]:
+def accuracy_and_se(samples: pd.DataFrame, column: str = "correct") -> tuple[float, float]:
     """pass@1 and its standard error over problems (fractions; SE is NaN with fewer than two problems)."""
     if samples.empty:
         return float("nan"), float("nan")
-    acc = per_problem_accuracy(samples).astype(float)
+    acc = per_problem_accuracy(samples, column).astype(float)
     se = float(acc.std(ddof=1) / math.sqrt(len(acc))) if len(acc) > 1 else float("nan")
     return float(acc.mean()), se
 
@@ -92,6 +95,14 @@ def _group_metrics_from_samples(s: pd.DataFrame) -> dict:
     acc, se = accuracy_and_se(s)
     n = len(s)
     out = {"problems": int(s["problem_id"].nunique()), "samples": n, "accuracy": 100 * acc, "accuracy_se": 100 * se}
+    graders = s["grader"].fillna("strict") if "grader" in s else pd.Series("strict", index=s.index)
+    out["grader"] = ",".join(sorted(set(graders)))
+    for rule in GRADER_RULES:
+        col = f"correct_{rule}"
+        has = col in s and bool(s[col].notna().all())
+        acc_r, se_r = accuracy_and_se(s, col) if has else (float("nan"), float("nan"))
+        out[f"accuracy_{rule}"], out[f"accuracy_{rule}_se"] = 100 * acc_r, 100 * se_r
+        out[f"answered_rate_{rule}"] = 100 * float(s[f"answered_{rule}"].astype(bool).mean()) if has else float("nan")
     classes = s["loop_class"].fillna("ok")
     for c in FAILURE_CLASSES:
         out[f"{c}_rate"] = 100 * float((classes == c).mean())
@@ -138,7 +149,13 @@ def _group_metrics_from_json(ms: list[dict]) -> dict:
         "samples": n,
         "accuracy": _wmean(ms, "accuracy", 100),
         "accuracy_se": se,
+        "grader": ",".join(sorted({str(m.get("grader", "strict")) for m in ms})),
     }
+    for rule in GRADER_RULES:
+        out[f"accuracy_{rule}"] = _wmean(ms, f"accuracy_{rule}", 100)
+        one = len(ms) == 1 and ms[0].get(f"accuracy_{rule}_stderr") is not None
+        out[f"accuracy_{rule}_se"] = 100 * ms[0][f"accuracy_{rule}_stderr"] if one else float("nan")
+        out[f"answered_rate_{rule}"] = _wmean(ms, f"answered_rate_{rule}", 100)
     for c, key in rates.items():
         out[f"{c}_rate"] = _wmean(ms, key, 100)
     for c in NOT_DECODED_CLASSES:  # exact counts (a run that does not record them had none)
@@ -220,7 +237,8 @@ def summarize(tree: Tree) -> pd.DataFrame:
 
     Columns: ``model``, ``task``, ``policy``, ``method``, ``policy_name``, ``params``, ``op`` (NaN for the full
     cache), ``op_kind``, ``budget`` (the budgets, as text), ``ratio``, ``runs``, ``seeds``, ``complete``, ``problems``,
-    ``samples``, ``accuracy`` and ``accuracy_se`` (%), ``{loop,garbage,truncated,ok,nonfinite,prompt_too_long}_rate``,
+    ``samples``, ``accuracy`` and ``accuracy_se`` (%) under the runs' ``grader``, ``accuracy_<rule>`` and
+    ``accuracy_<rule>_se`` (%) for every grader rule, ``{loop,garbage,truncated,ok,nonfinite,prompt_too_long}_rate``,
     ``cut_by_limit_rate``, ``cut_in_thinking_rate`` and ``answered_rate`` (%), ``nonfinite_samples``,
     ``prompt_too_long_samples``, ``mean_output_tokens``, ``compression_ratio``, :data:`SAMPLE_EFFICIENCY`,
     :data:`THROUGHPUT_METRICS`, ``run_dirs``.

@@ -107,6 +107,7 @@ def _scatter(wr: Any, title: str, x: Any, y: Any, **kw: Any) -> Any:
 def _main_table(wr: Any) -> list:
     return [
         _bars(wr, "pass@1 per policy (mean ± SE over runs)", ["accuracy"]),
+        _bars(wr, "pass@1 under each grader rule (boxed answers)", ["accuracy_strict", "accuracy_last_boxed"]),
         _bars(wr, "pass@k per policy", [f"pass@{k}" for k in PASS_K]),
     ]
 

@@ -34,6 +34,7 @@ from vase.analysis.labels import (
     task_sort_key,
 )
 from vase.analysis.load import Tree
+from vase.analysis.paper import GSM8K_PILOT
 
 logger = logging.getLogger(__name__)
 
@@ -340,7 +341,8 @@ def _param_text(s: str) -> str:
 def figure_policy_bars(summary: pd.DataFrame, res: FigureResult) -> None:
     """Per (model, task, operating point) with several policies: accuracy bars in the GSM8K pilot's order
     (full, random, evict_large_value, snapkv and its variants, VaSE-AttnV, CurDKV variants); ``gsm8k_pilot_*`` on
-    GSM8K."""
+    GSM8K. Markers: pass@1 under each grader rule where the runs recorded both, and on GSM8K the paper's number of
+    the same row (:data:`vase.analysis.paper.GSM8K_PILOT`)."""
     for model in sorted(summary["model"].unique()):
         for op in operating_points(summary, model):
             sub = at_op(summary, model, op)
@@ -365,6 +367,20 @@ def figure_policy_bars(summary: pd.DataFrame, res: FigureResult) -> None:
                     if not math.isnan(acc):
                         label = f"{acc:.1f}" + ("" if done else "†")
                         ax.text(xi, acc + se + 1.5, label, ha="center", fontsize=7)
+                marks = [  # the same outputs under each grader rule; the paper's pilot numbers on GSM8K
+                    (ts[f"accuracy_{rule}"], m, f"grader {rule}")
+                    for rule, m in (("strict", "_"), ("last_boxed", "x"))
+                    if f"accuracy_{rule}" in ts and ts[f"accuracy_{rule}"].notna().any()
+                ]
+                if task == "gsm8k":
+                    paper = [GSM8K_PILOT.match(n, p) for n, p in zip(ts["policy_name"], ts["params"])]
+                    marks.append((pd.Series([r.accuracy if r else np.nan for r in paper]), "*", "paper"))
+                for values, marker, label in marks:
+                    ax.scatter(
+                        x, values.to_numpy(dtype=float), marker=marker, color="black", s=40, zorder=3, label=label
+                    )
+                if marks:
+                    ax.legend(fontsize=7, loc="upper right")
                 ax.set_xticks(x, _wrap(ts["short"]), rotation=40, ha="right", rotation_mode="anchor", fontsize=8)
                 ax.set_ylabel("pass@1 (%)")
                 ax.set_ylim(0, max(100.0, float(np.nanmax(ts["accuracy"].to_numpy(dtype=float), initial=0)) + 8))

@@ -2,7 +2,9 @@
 
 * **Policy identity** (the ``policy`` column): the policy's name plus every hyper-parameter that varies across the
   tree's runs of that policy and differs from the policy class's default, e.g. ``vase_attnv[attn_temperature=2.0]``
-  (an ablation sweep gives one row per setting). ``budget`` is an axis, never part of the identity.
+  (an ablation sweep gives one row per setting). The protocol preset counts as one when the tree holds runs of
+  several (``vase_attnv[protocol=paper]``): runs of two protocols are never pooled. ``budget`` is an axis, never part
+  of the identity.
 * **Operating point** (``op``): ``4x`` for a run whose budget was derived from ``ratio``, else ``B=<budget>`` (an
   explicit ``budget=``): the run's ``budget_source`` when it records one, else judged from the saved config (the saved
   budget equals the runner's ``reference output tokens / ratio`` rounded to the window). The full cache is
@@ -167,12 +169,17 @@ def label_policies(runs: pd.DataFrame) -> pd.DataFrame:
     """Add ``policy`` (identity), ``method`` (display name) and ``op`` (operating point) columns in place."""
     labels, methods, shorts = [], [], []
     varying: dict[str, list[str]] = {}
+    protocols = runs["protocol"] if "protocol" in runs else pd.Series("default", index=runs.index)
+
+    def identity(params_json: str, target: str | None, protocol: str) -> dict:
+        return {**_with_defaults(params_json, target), "protocol": protocol}
+
     for name, sub in runs.groupby("policy_name"):
-        dicts = [_with_defaults(p, t) for p, t in zip(sub["params"], sub["policy_target"])]
+        dicts = [identity(p, t, pr) for p, t, pr in zip(sub["params"], sub["policy_target"], protocols[sub.index])]
         keys = sorted({k for d in dicts for k in d})
         varying[name] = [k for k in keys if len({json.dumps(d.get(k), default=str) for d in dicts}) > 1]
-    for _, run in runs.iterrows():
-        params = _with_defaults(run["params"], run["policy_target"])
+    for i, run in runs.iterrows():
+        params = identity(run["params"], run["policy_target"], protocols[i])
         defaults = policy_defaults(run["policy_target"])
         shown = [
             (k, params.get(k)) for k in varying[run["policy_name"]] if k not in defaults or params.get(k) != defaults[k]

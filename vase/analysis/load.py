@@ -26,11 +26,15 @@ from vase.run.results import SAMPLES, THROUGHPUT, read_jsonl_tolerant, stable_ha
 
 logger = logging.getLogger(__name__)
 
+#: the grader rules a sample may carry apart (``correct_<rule>``; = ``tasks.grading.GRADER_RULES``)
+GRADER_RULES = ("strict", "last_boxed")
 SAMPLE_COLUMNS = (
     "problem_id",
     "sample",
     "seed",
     "correct",
+    "grader",
+    *(f"correct_{rule}" for rule in GRADER_RULES),
     "finish_reason",
     "cut_by_limit",
     "cut_in_thinking",
@@ -76,9 +80,10 @@ class Tree:
         root: the directory that was walked.
         runs: one row per run directory: ``run_id``, ``run_dir``, ``model``, ``task``, ``policy_name``,
             ``policy_kind``, ``params`` (JSON of the hyper-parameters), ``budget``, ``window``, ``ratio``, ``seed``,
-            ``group`` (``logger.group``), ``complete``, ``source`` and, after :func:`label_policies`, ``policy``,
-            ``method`` and ``op``.
-        samples: one row per sample (``run_id`` + :data:`SAMPLE_COLUMNS`, ``answered``), deduplicated on
+            ``group`` (``logger.group``), ``protocol`` (the preset's name), ``complete``, ``source`` and, after
+            :func:`label_policies`, ``policy``, ``method`` and ``op``.
+        samples: one row per sample (``run_id`` + :data:`SAMPLE_COLUMNS`, ``answered``, ``answered_<rule>``; the
+            ``correct_<rule>`` columns hold every grader rule's verdict on the same output), deduplicated on
             ``(problem_id, sample)`` within a run; a key a run did not write is missing (NaN / None).
         throughput: one row per ``throughput.jsonl`` line, i.e. per stretch of decoding (``run_id`` +
             :data:`THROUGHPUT_COLUMNS`); every line counts (each is wall-clock time that really ran).
@@ -181,6 +186,11 @@ def load_run(run_dir: str | Path, run_id: int = 0) -> tuple[dict, pd.DataFrame, 
         )
     samples = _frame(sample_rows, SAMPLE_COLUMNS, run_id)
     samples["answered"] = [r.get("extracted") is not None for r in sample_rows]
+    for rule in GRADER_RULES:  # None where a sample does not carry the rule (a task with one grader, an older run)
+        key = f"extracted_{rule}"
+        samples[f"answered_{rule}"] = [
+            (r.get(key) is not None) if f"correct_{rule}" in r else None for r in sample_rows
+        ]
     samples = samples.drop_duplicates(subset=["problem_id", "sample"], keep="first")
     throughput = _frame(throughput_rows, THROUGHPUT_COLUMNS, run_id)
 
@@ -210,6 +220,7 @@ def load_run(run_dir: str | Path, run_id: int = 0) -> tuple[dict, pd.DataFrame, 
         "ratio": config.get("ratio", m.get("ratio")),
         "seed": config.get("seed", _get(protocol, "seed")),
         "group": _get(config, "logger.group"),
+        "protocol": _get(protocol, "protocol.name") or "default",  # a run written before the preset: default
         "setting": stable_hash({k: v for k, v in (protocol or {}).items() if k not in _PER_RUN_PROTOCOL_KEYS}),
         "complete": complete,
         "source": SAMPLES if sample_rows else ("metrics.json" if metrics is not None else "none"),

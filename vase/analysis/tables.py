@@ -1,8 +1,11 @@
 """The paper's tables (accuracy ± SE, failure modes, efficiency, the long summary, diversity) and their writers.
 
-A :class:`Table` holds numbers (CSV, W&B) and formatted text (Markdown, LaTeX). **Five-task average**: the mean over
-aime25, gpqa_diamond, math500, aime26, hmmt25 (the paper's order) when all five are present for that policy, else
-missing; its standard error is ``sqrt(sum se_t^2) / 5``.
+A :class:`Table` holds numbers (CSV, W&B) and formatted text (Markdown, LaTeX). The accuracy table is the runs' own
+grader (``protocol.grader``); where the samples carry both grader rules (boxed answers), the same table follows under
+each rule (``accuracy_<model>_<op>_strict``, ``..._last_boxed``: the same outputs, graded two ways, docs/protocol.md).
+
+**Five-task average**: the mean over aime25, gpqa_diamond, math500, aime26, hmmt25 (the paper's order) when all five
+are present for that policy, else missing; its standard error is ``sqrt(sum se_t^2) / 5``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from vase.analysis.labels import (
     slug,
     task_sort_key,
 )
+from vase.analysis.load import GRADER_RULES
 
 
 @dataclass
@@ -70,14 +74,20 @@ def five_task_average(accs: dict[str, float], ses: dict[str, float]) -> tuple[fl
     return float(np.mean(vals)), se
 
 
-def accuracy_table(summary: pd.DataFrame, model: str, op: str) -> Table:
+def accuracy_table(summary: pd.DataFrame, model: str, op: str, rule: str | None = None) -> Table:
     """Policy × task pass@1 (%) ± SE at one operating point, the full cache first, the five-task average.
+
+    ``rule``: ``None`` for the runs' own grader (``accuracy``), or a grader rule (``strict`` | ``last_boxed``: the
+    ``accuracy_<rule>`` columns, missing for tasks whose runs did not record it).
 
     Columns of ``data``: per task ``<task>`` and ``<task>_se`` (the paper's tasks first, in its order), then
     ``avg``/``avg_se`` (when the table has all five paper tasks), then the other tasks. Incomplete entries are
     marked † in the display.
     """
     sub = at_op(summary, model, op)
+    if rule is not None:
+        sub = sub.assign(accuracy=sub[f"accuracy_{rule}"], accuracy_se=sub[f"accuracy_{rule}_se"])
+        sub = sub[sub["accuracy"].notna()]
     tasks = sorted(sub["task"].unique(), key=task_sort_key)
     has_paper = all(t in tasks for t in PAPER_TASKS)  # the average column only when the five tasks are there
     cols = (
@@ -113,11 +123,14 @@ def accuracy_table(summary: pd.DataFrame, model: str, op: str) -> Table:
     caption = f"pass@1 (%) ± standard error over problems, {model}, {op}"
     if budgets:
         caption += f" (budgets: {budgets})"
+    graders = sorted({g for gs in sub.get("grader", pd.Series(dtype=object)).dropna() for g in str(gs).split(",")})
+    caption += f"; grader: {rule}" if rule is not None else (f"; grader: {', '.join(graders)}" if graders else "")
     if incomplete:
         notes.append("† incomplete run: not every problem/sample is done yet.")
     if has_paper and data["avg"].isna().any():
         notes.append("Avg (5): the mean over AIME25, GPQA-D, MATH, AIME26, HMMT25, only for rows with all five.")
-    return Table(f"accuracy_{slug(model)}_{slug(op)}", data, display, caption, notes)
+    name = f"accuracy_{slug(model)}_{slug(op)}" + (f"_{rule}" if rule is not None else "")
+    return Table(name, data, display, caption, notes)
 
 
 def _bold_best(data: pd.DataFrame, display: pd.DataFrame, cols: Iterable[str]) -> None:
@@ -247,8 +260,10 @@ def summary_table(summary: pd.DataFrame) -> Table:
         "runs",
         "problems",
         "samples",
+        *(["grader"] if "grader" in data else []),
         "accuracy",
         "accuracy_se",
+        *[c for c in ("accuracy_strict", "accuracy_last_boxed") if c in data and data[c].notna().any()],
         "loop_rate",
         "garbage_rate",
         "truncated_rate",
@@ -271,11 +286,12 @@ def paper_tables(summary: pd.DataFrame, diversity: pd.DataFrame | None = None) -
     tables = [summary_table(summary)]
     for model in sorted(summary["model"].unique()):
         for op in operating_points(summary, model):
-            tables += [
-                accuracy_table(summary, model, op),
-                failure_table(summary, model, op),
-                efficiency_table(summary, model, op),
-            ]
+            tables.append(accuracy_table(summary, model, op))
+            at = at_op(summary, model, op)
+            for rule in GRADER_RULES:  # the same outputs under each grader rule, where the runs recorded it
+                if f"accuracy_{rule}" in at and at[f"accuracy_{rule}"].notna().any():
+                    tables.append(accuracy_table(summary, model, op, rule))
+            tables += [failure_table(summary, model, op), efficiency_table(summary, model, op)]
     if diversity is not None and not diversity.empty:
         disp = diversity.copy()
         for c in disp.columns:

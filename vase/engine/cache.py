@@ -53,6 +53,7 @@ class VaseCache(Cache):
         attn_backend: ``"sdpa"``, ``"eager"`` or ``"flash_attn"`` (see :func:`vase.engine.attention.resolve_backend`).
         sync_timing: synchronise CUDA around evictions so their timing is exact (evictions only, never per step).
         check_policy_output: validate every ``keep()`` answer (shape, range, uniqueness); costs a sync per eviction.
+        score_dtype: handed to eviction policies as ``EvictionInputs.score_dtype`` (their score math's dtype).
 
     The decode loop drives it: :meth:`begin_prefill` / :meth:`end_prefill` around a prompt's forward, :meth:`advance`
     after each decode forward, :meth:`evict_due`, :meth:`move_row` / :meth:`release` when rows finish.
@@ -66,6 +67,7 @@ class VaseCache(Cache):
         attn_backend: str = "sdpa",
         sync_timing: bool = True,
         check_policy_output: bool = False,
+        score_dtype: torch.dtype = torch.float32,
     ):
         self.geometry = geometry
         self.policy = policy
@@ -73,6 +75,7 @@ class VaseCache(Cache):
         self.attn_backend = attn_backend
         self.sync_timing = sync_timing
         self.check_policy_output = check_policy_output
+        self.score_dtype = score_dtype
         rows, device = geometry.rows, geometry.device
         self.n_live = 0
         self.lengths = [0] * rows  # held tokens per row (host); every layer holds the same count

@@ -180,6 +180,7 @@ class Decoder:
         sync_every: copy tokens to the host every k steps (default 1 on CPU, 16 on CUDA).
         on_step / on_logits / on_cache: hooks (see the module docstring).
         check_policy_output: validate every eviction's indices (debug; syncs per eviction).
+        score_dtype: the dtype of the policy's score math (``EvictionInputs.score_dtype``; bfloat16 = the authors').
         row_id: how a row is named in hooks and in the cache (default ``(key, sample)``).
     """
 
@@ -205,6 +206,7 @@ class Decoder:
         on_cache: Callable[[VaseCache], None] | None = None,
         check_policy_output: bool = False,
         row_id: Callable[[Any, int], Any] | None = None,
+        score_dtype: torch.dtype = torch.float32,
     ):
         check_architecture(model.config)
         policy.validate()
@@ -241,6 +243,7 @@ class Decoder:
             scaling=head_dim**-0.5,
             attn_backend=self.backend,
             check_policy_output=check_policy_output,
+            score_dtype=score_dtype,
         )
         if on_cache is not None:
             on_cache(self.cache)

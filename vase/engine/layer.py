@@ -261,6 +261,7 @@ class VaseLayer(CacheLayerMixin):
             generators=[owner.evict_generators[r] for r in slots],
             state=state,
             queries=queries,
+            score_dtype=owner.score_dtype,
         )
         keep = policy.keep(inputs)
         if owner.check_policy_output:

@@ -50,6 +50,9 @@ class EvictionInputs:
         state: the rows' persistent state on this layer (see the module docstring): ``{key: (B, ...) tensor}``.
         queries: ``(B, Hq, Wq, D)`` post-RoPE queries of the last ``Wq <= window`` tokens, or ``None`` when the policy
             does not declare ``needs_queries``.
+        score_dtype: the dtype of the policy's score math (``protocol.score_dtype``, set by the engine): pass it as
+            ``dtype=`` to every :mod:`vase.engine.scores` function. float32 by default; bfloat16 rounds as the
+            authors' code (docs/protocol.md).
     """
 
     keys: torch.Tensor
@@ -61,6 +64,7 @@ class EvictionInputs:
     generators: list[torch.Generator]
     state: dict = field(default_factory=dict)
     queries: torch.Tensor | None = None
+    score_dtype: torch.dtype = torch.float32
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

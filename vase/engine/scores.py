@@ -1,9 +1,15 @@
 """Pure tensor math shared by the eviction and selection policies (no model, no cache).
 
-Every function is vectorised over the batch, the heads and the candidates, computes in float32 (float64 for sampling
-keys) and states its shapes. ``B`` = rows, ``H`` = KV heads, ``Hq`` = query heads (``Hq % H == 0``; query head ``j``
-belongs to KV head ``j // (Hq // H)``, transformers' layout), ``Wq`` = window queries, ``N`` = candidates,
-``D`` = head dim, ``P`` = pages, ``r`` = sketch rank.
+Every function is vectorised over the batch, the heads and the candidates and states its shapes: ``B`` = rows,
+``H`` = KV heads, ``Hq`` = query heads (``Hq % H == 0``; query head ``j`` belongs to KV head ``j // (Hq // H)``,
+transformers' layout), ``Wq`` = window queries, ``N`` = candidates, ``D`` = head dim, ``P`` = pages, ``r`` = sketch
+rank.
+
+The scores compute in ``dtype``: float32 by default (the harness), or bfloat16 to round as the authors' code does
+(``protocol=paper``, docs/protocol.md): they compute every score in the KV cache's bf16 with their order of operations,
+which rounds the attention logits to ~0.05-0.1 and creates ties at the top-k boundary. The engine hands the choice to
+every policy as ``EvictionInputs.score_dtype``; a score comes back in that dtype, so what a policy computes from it
+(R-KV's mixture) rounds the same way. Sampling keys are float64 either way.
 
 * :func:`windowed_attention_score` — the SnapKV-style score of SnapKV, R-KV and VaSE-AttnV (method.md §2).
 * :func:`value_statistic` — the value-magnitude statistic VaSE protects (range, L2, abs-max, variance).
@@ -19,6 +25,17 @@ import torch
 import torch.nn.functional as F
 
 VALUE_STATS = ("range", "l2", "absmax", "variance")
+#: ``protocol.score_dtype`` -> the dtype of the policies' score math (docs/protocol.md).
+SCORE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def score_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``protocol.score_dtype`` name (``float32`` | ``bfloat16``)."""
+    if name not in SCORE_DTYPES:
+        raise ValueError(f"protocol.score_dtype: unknown {name!r}; choose one of {', '.join(SCORE_DTYPES)}")
+    return SCORE_DTYPES[name]
+
+
 SMOOTH_ALONG = ("storage", "position")
 GROUP_REDUCE = ("max", "sum")
 
@@ -31,6 +48,7 @@ def windowed_attention_score(
     smooth_kernel: int = 5,
     positions: torch.Tensor | None = None,
     max_chunk_elements: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """How much the recent window attends to each candidate.
 
@@ -50,10 +68,16 @@ def windowed_attention_score(
             what the authors' code does); given, pools along increasing position (neighbours in the text).
         max_chunk_elements: bound on the float32 logits held at once (default: 2**19 on CPU, 2**26 on GPU); the
             result does not depend on it.
+        dtype: ``torch.float32`` (the formula above, one rounding at the end) or a 16-bit dtype: the authors' order
+            of operations in that dtype (:func:`_windowed_attention_rounded`).
 
     Returns:
-        ``(B, H, N)`` float32, each (row, head) summing to 1 before smoothing.
+        ``(B, H, N)`` in ``dtype``, each (row, head) summing to 1 before smoothing (up to rounding).
     """
+    if dtype != torch.float32:
+        return _windowed_attention_rounded(
+            queries, keys, scaling, temperature, smooth_kernel, positions, max_chunk_elements, dtype
+        )
     b, hq, wq, d = queries.shape
     h, n = keys.shape[1], keys.shape[2]
     if hq % h:
@@ -76,6 +100,44 @@ def windowed_attention_score(
     return score
 
 
+def _windowed_attention_rounded(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    temperature: float,
+    smooth_kernel: int,
+    positions: torch.Tensor | None,
+    max_chunk_elements: int | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The windowed attention score rounded as the authors' code computes it in ``dtype`` (their ``EvictLayer``).
+
+    Every step below returns a ``dtype`` tensor, so each rounds once: the logits ``q·k`` (a ``dtype`` matmul), their
+    division by ``sqrt(D) · T``; the softmax is computed in float32 from the rounded logits and rounded back; the mean
+    over the window queries; the average pool, per query head (before the group mean, as their code does); the mean
+    over the query heads of the group. Shapes as :func:`windowed_attention_score`; returns ``(B, H, N)`` in ``dtype``.
+    """
+    b, hq, wq, d = queries.shape
+    h, n = keys.shape[1], keys.shape[2]
+    if hq % h:
+        raise ValueError(f"queries: {hq} query heads is not a multiple of {h} KV heads")
+    g = hq // h
+    q = queries.to(dtype).reshape(b * h, g, wq, d)
+    k = keys.to(dtype).reshape(b * h, 1, n, d)
+    divisor = temperature / scaling  # sqrt(D) * T
+    per_head = torch.empty((b * h, g, n), dtype=dtype, device=keys.device)
+    step = max(1, (max_chunk_elements or _default_chunk(keys.device)) // max(g * wq * n, 1))
+    for s in range(0, b * h, step):
+        logits = torch.matmul(q[s : s + step], k[s : s + step].transpose(-1, -2)) / divisor  # (chunk, G, Wq, N)
+        probs = logits.softmax(dim=-1, dtype=torch.float32).to(dtype)
+        per_head[s : s + step] = probs.mean(dim=-2)
+    score = per_head.view(b, h * g, n)  # per query head (transformers' layout: head j uses KV head j // G)
+    if smooth_kernel > 1:
+        pos = None if positions is None else positions.unsqueeze(2).expand(b, h, g, n).reshape(b, h * g, n)
+        score = _smooth(score, smooth_kernel, pos)
+    return score.view(b, h, g, n).mean(dim=2)
+
+
 def _default_chunk(device: torch.device) -> int:
     """Float32 elements of windowed-attention logits built at once: ~2 MB (stays in a CPU core's L2) or 256 MB."""
     return 2**19 if device.type == "cpu" else 2**26
@@ -93,18 +155,19 @@ def _smooth(score: torch.Tensor, kernel: int, positions: torch.Tensor | None) ->
     return pooled
 
 
-def value_statistic(values: torch.Tensor, stat: str = "range") -> torch.Tensor:
+def value_statistic(values: torch.Tensor, stat: str = "range", dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Magnitude of each value vector over the head dimension.
 
     Args:
         values: ``(B, H, N, D)``.
         stat: ``"range"`` (max − min), ``"l2"`` (Euclidean norm), ``"absmax"`` (largest |v_d|) or ``"variance"``
             (unbiased, ``correction=1``, as ``torch.var`` and the authors' code).
+        dtype: computed in this dtype (bfloat16: the authors' rounding, e.g. ``max - min`` rounded once).
 
     Returns:
-        ``(B, H, N)`` float32.
+        ``(B, H, N)`` in ``dtype``.
     """
-    v = values.float()
+    v = values.to(dtype)
     if stat == "range":
         return v.amax(dim=-1) - v.amin(dim=-1)
     if stat == "l2":
@@ -116,7 +179,7 @@ def value_statistic(values: torch.Tensor, stat: str = "range") -> torch.Tensor:
     raise ValueError(f"value_stat: unknown statistic {stat!r}; choose one of {', '.join(VALUE_STATS)}")
 
 
-def redundancy_score(keys: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def redundancy_score(keys: torch.Tensor, eps: float = 1e-8, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """R-KV's redundancy of each candidate key: softmax over candidates of its mean cosine similarity to the others.
 
     The self-similarity is zeroed and the mean divides by ``N`` (the zeroed diagonal included), as in the R-KV and
@@ -125,13 +188,19 @@ def redundancy_score(keys: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     and ``Σ_{j≠i} k̂_i·k̂_j = k̂_i·(Σ_j k̂_j) − k̂_i·k̂_i``, so we compute the same numbers in ``O(N·D)`` without
     building it (``tests/test_scores.py`` checks this against the explicit matrix).
 
+    In a 16-bit ``dtype`` every similarity is rounded before it is averaged, so the linear form does not reproduce the
+    authors' numbers: :func:`_redundancy_rounded` builds the matrix in column blocks instead.
+
     Args:
         keys: ``(B, H, N, D)``.
         eps: added to the key norms.
+        dtype: ``torch.float32`` (linear time) or a 16-bit dtype (the authors' rounding, quadratic time).
 
     Returns:
-        ``(B, H, N)`` float32, summing to 1 per (row, head).
+        ``(B, H, N)`` in ``dtype``, summing to 1 per (row, head).
     """
+    if dtype != torch.float32:
+        return _redundancy_rounded(keys, eps, dtype)
     k = keys.float()
     k = k / (k.norm(dim=-1, keepdim=True) + eps)  # k̂
     total = k.sum(dim=-2, keepdim=True)  # (B, H, 1, D)
@@ -139,24 +208,45 @@ def redundancy_score(keys: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return (row_sum / k.shape[-2]).softmax(dim=-1)
 
 
-def cur_score(keys: torch.Tensor, values: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
+def _redundancy_rounded(keys: torch.Tensor, eps: float, dtype: torch.dtype, block: int = 512) -> torch.Tensor:
+    """R-KV's redundancy as the authors compute it in ``dtype``: normalised keys, the cosine matrix (each entry
+    rounded), the diagonal zeroed, the mean over the first candidate axis, a softmax. Built ``block`` columns at a time
+    (the column means are those of the full matrix), so memory is ``O(N·block)``. ``(B, H, N, D)`` -> ``(B, H, N)``."""
+    k = keys.to(dtype)
+    k = k / (k.norm(dim=-1, keepdim=True) + eps)
+    n = k.shape[-2]
+    means = torch.empty(k.shape[:-1], dtype=dtype, device=k.device)
+    for j in range(0, n, block):
+        cols = k[..., j : j + block, :]
+        sim = torch.matmul(k, cols.transpose(-1, -2))  # (B, H, N, block): columns j.. of the similarity matrix
+        diag = torch.arange(j, j + cols.shape[-2], device=k.device)
+        sim[..., diag, diag - j] = 0.0
+        means[..., j : j + block] = sim.mean(dim=-2)
+    return means.softmax(dim=-1)
+
+
+def cur_score(
+    keys: torch.Tensor, values: torch.Tensor, sketch: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """CUR sketch score ``‖k G‖² · ‖v G‖²``, normalised to sum to 1 over the candidates.
 
     Args:
         keys, values: ``(B, H, N, D)``.
         sketch: ``(B, D, r)`` Gaussian sketch ``G`` (shared by the heads of a row), or ``(D, r)``.
+        dtype: computed in this dtype; bfloat16 rounds the sketch, both products, the squares, their sums, the
+            product and the normalisation as the authors' code does.
 
     Returns:
-        ``(B, H, N)`` float32.
+        ``(B, H, N)`` in ``dtype``.
     """
-    g = sketch.float()
+    g = sketch.to(dtype)
     if g.dim() == 2:
         g = g.unsqueeze(0).expand(keys.shape[0], -1, -1)
     g = g.unsqueeze(1)  # (B, 1, D, r)
-    k2 = torch.matmul(keys.float(), g).square().sum(dim=-1)
-    v2 = torch.matmul(values.float(), g).square().sum(dim=-1)
+    k2 = torch.matmul(keys.to(dtype), g).square().sum(dim=-1)
+    v2 = torch.matmul(values.to(dtype), g).square().sum(dim=-1)
     score = k2 * v2
-    return score / score.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return score / score.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
 
 
 def topk_with_protection(

@@ -118,7 +118,7 @@ class WindowedAttentionEviction(EvictionPolicy):
         return max(resolve_n_protect(self.n_protect, self.budget), self.sinks)
 
     def score(self, inputs: EvictionInputs) -> torch.Tensor:
-        """``(B, H, N)`` float32 windowed attention score of the candidates (non-negative)."""
+        """``(B, H, N)`` windowed attention score of the candidates (non-negative), in ``inputs.score_dtype``."""
         if inputs.queries is None:
             raise ValueError(f"policy {self.name}: needs the window queries (needs_queries=True) but got none")
         return windowed_attention_score(
@@ -128,6 +128,7 @@ class WindowedAttentionEviction(EvictionPolicy):
             temperature=self.attn_temperature,
             smooth_kernel=self.smooth_kernel,
             positions=inputs.positions if self.smooth_along == "position" else None,
+            dtype=inputs.score_dtype,
         )
 
     def keep(self, inputs: EvictionInputs) -> torch.Tensor:
@@ -138,7 +139,7 @@ class WindowedAttentionEviction(EvictionPolicy):
         if n_prot == 0:
             protected_idx, protected = None, None
         else:
-            stat = value_statistic(inputs.values, self.value_stat)
+            stat = value_statistic(inputs.values, self.value_stat, dtype=inputs.score_dtype)
             protected_idx, protected = protect_largest(stat, n_prot, sinks)
         n_rest = inputs.n_keep - n_prot
         if self.sample:

@@ -65,8 +65,8 @@ class CurSketchEviction(EvictionPolicy):
         return stored
 
     def score(self, inputs: EvictionInputs) -> torch.Tensor:
-        """``(B, H, N)`` float32 CUR score, summing to 1 per (row, head)."""
-        return cur_score(inputs.keys, inputs.values, self.sketch(inputs))
+        """``(B, H, N)`` CUR score in ``inputs.score_dtype``, summing to 1 per (row, head)."""
+        return cur_score(inputs.keys, inputs.values, self.sketch(inputs), dtype=inputs.score_dtype)
 
     def keep(self, inputs: EvictionInputs) -> torch.Tensor:
         """``(B, H, n_keep)`` int64: the sinks, then by decreasing CUR score."""

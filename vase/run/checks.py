@@ -6,8 +6,9 @@ A bad value raises one ``ValueError("<setting>: <what is wrong>, got <value>; <f
 replaced by a default (``generation.max_length=0`` is an error, not "the task's length").
 
 Only the standard library and OmegaConf are imported here, so the command line's checks stay fast (no torch).
-The choices below mirror the engine's (``vase.engine.attention.BACKENDS``) and the model loader's
-(``vase.models.DTYPES``); ``tests/test_checks.py`` keeps them equal.
+The choices below mirror the engine's (``vase.engine.attention.BACKENDS``, ``vase.engine.scores.SCORE_DTYPES``), the
+model loader's (``vase.models.DTYPES``) and the graders' (``tasks.grading.GRADER_RULES``); ``tests/test_checks.py``
+and ``tests/test_protocol.py`` keep them equal.
 
 Settings that a checkout may not have yet (``generation.max_rows``, ``generation.kv_memory``, ``generation.batching``)
 are checked when present and ignored when absent.
@@ -31,6 +32,10 @@ ATTN_BACKENDS = ("auto", "sdpa", "eager", "flash_attn")
 MODEL_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
 #: ``generation.batching``.
 BATCHING = ("continuous", "per_problem")
+#: ``protocol.grader`` (= ``tasks.grading.GRADER_RULES``).
+GRADERS = ("strict", "last_boxed")
+#: ``protocol.score_dtype`` (= the names of ``vase.engine.scores.SCORE_DTYPES``).
+SCORE_DTYPES = ("float32", "bfloat16")
 
 _ABSENT = object()
 # Decimal (SI) and binary (IEC) byte units; a bare K/M/G/T is refused as ambiguous.
@@ -263,8 +268,64 @@ def _check_task(cfg: DictConfig) -> None:
     _path(cfg, "task.data_dir", nullable=True, example="../shared/data")
 
 
+def _check_protocol(cfg: DictConfig) -> None:
+    """The ``protocol`` node (conf/protocol/): its choices, and the value slots it hands the policy."""
+    p = "protocol"
+    name = _get(cfg, f"{p}.name")
+    if name is not _ABSENT and not (isinstance(name, str) and name.strip()):
+        _fail(f"{p}.name", "must be a non-empty name", name, "e.g. protocol=paper, or protocol.name=mine")
+    _choice(cfg, f"{p}.grader", GRADERS)
+    _choice(cfg, f"{p}.score_dtype", SCORE_DTYPES)
+    _boolean(cfg, f"{p}.shuffle_choices")
+    by_task = _get(cfg, f"{p}.n_protect_by_task")
+    if by_task not in (_ABSENT, None):
+        if not isinstance(by_task, dict):
+            _fail(f"{p}.n_protect_by_task", "must be a mapping task -> slots", by_task, "e.g. {math500: 256}")
+        for task, n in by_task.items():
+            if not (_is_int(n) and n >= 0):
+                _fail(
+                    f"{p}.n_protect_by_task.{task}",
+                    "must be an integer >= 0",
+                    n,
+                    f"e.g. {p}.n_protect_by_task.{task}=256",
+                )
+    n = _get(cfg, f"{p}.n_protect")
+    if n not in (_ABSENT, None) and not ((_is_int(n) and n >= 0) or (_is_number(n) and 0 < n < 1)):
+        _fail(
+            f"{p}.n_protect",
+            "must be an integer >= 0, a fraction of budget in (0, 1) or null",
+            n,
+            f"e.g. {p}.n_protect=256",
+        )
+    check_protocol_n_protect(cfg)
+
+
+def check_protocol_n_protect(cfg: DictConfig) -> None:
+    """When the policy takes its value slots from the protocol (``policy.n_protect: ${...protocol.n_protect...}``), they
+    must fit its budget: a one-line error naming ``protocol.n_protect`` rather than the policy's field the user never
+    set. Skipped while the budget is not known yet (``budget=null``: the runner calls it again once it is)."""
+    raw = OmegaConf.select(cfg, "policy", default=None)
+    if not isinstance(raw, DictConfig) or "n_protect" not in raw:
+        return
+    text = OmegaConf.to_container(raw, resolve=False).get("n_protect")
+    if not (isinstance(text, str) and "protocol.n_protect" in text):
+        return
+    n, budget, window = _get(cfg, "policy.n_protect"), _get(cfg, "budget"), _get(cfg, "window")
+    if not (_is_int(n) and _is_int(budget) and _is_int(window)):
+        return
+    if n > budget - window:
+        task = _get(cfg, "task.name")
+        _fail(
+            "protocol.n_protect",
+            f"{n} protected value slots (protocol {_get(cfg, 'protocol.name')!r}, task {task}) do not fit "
+            f"budget - window = {budget} - {window}",
+            n,
+            f"raise budget (>= {n + window}) or set policy.n_protect=<slots>",
+        )
+
+
 def check_settings(cfg: DictConfig | Mapping) -> None:
-    """Check every top-level, ``generation``, ``model`` and common ``task`` setting of a composed config.
+    """Check every top-level, ``generation``, ``model``, common ``task`` and ``protocol`` setting of a composed config.
 
     Runs before anything is built, written or loaded. Group-specific fields (a policy's ``n_protect``, a task's
     ``timeout_s``) are checked by their dataclasses when built, still before any data or weights load.
@@ -278,3 +339,4 @@ def check_settings(cfg: DictConfig | Mapping) -> None:
     _check_generation(cfg)
     _check_model(cfg)
     _check_task(cfg)
+    _check_protocol(cfg)

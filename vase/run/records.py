@@ -7,6 +7,13 @@ same metrics as an uninterrupted one. Wall-clock measurements (decode throughput
 static allocation) come from ``throughput.jsonl``, one line per stretch of decoding, so they describe the sessions
 that actually ran.
 
+Grading: ``extracted`` / ``correct`` / ``grade_detail`` are the run's grader rule (``grader``, from
+``protocol.grader``). A task with several rules (boxed answers: ``strict`` and ``last_boxed``, docs/protocol.md)
+grades every output under each, and the sample also stores ``extracted_<rule>`` (what the rule read, or ``None``) and
+``correct_<rule>`` apart, as lm-eval-harness keeps the filtered answer apart from the metric. The metrics then hold
+``accuracy`` (the run's rule) and, for each rule, ``accuracy_<rule>``, ``accuracy_<rule>_stderr``,
+``pass@<k>_<rule>`` and ``answered_rate_<rule>``, all from the same outputs.
+
 Per-sample flags (definitions used in the docs):
 
 * ``finish_reason``: ``eos`` (an EOS token), ``stop`` (a stop string), ``length`` (cut by the length limit
@@ -75,8 +82,14 @@ def sample_row(
     evicts: bool,
     bytes_per_token: int,
     max_length: int,
+    grader: str = "strict",
+    rules: tuple[str, ...] = (),
 ) -> dict:
-    """One line of ``samples.jsonl`` for a :class:`vase.engine.decode.Finished` sample and its grade."""
+    """One line of ``samples.jsonl`` for a :class:`vase.engine.decode.Finished` sample and its grade.
+
+    ``grade`` (a :class:`tasks.base.Grade`, ``None`` when the sample was not decoded) is read under ``grader``; with
+    several ``rules`` (the task's ``grader_rules``) every rule's answer and verdict is stored too.
+    """
     reason = finished.finish_reason
     p, n_tok = finished.prompt_len, len(finished.tokens)
     total = p + n_tok
@@ -91,14 +104,23 @@ def sample_row(
         loop_class = "prompt_too_long"
     else:
         loop_class = classify_output(text, reason != "length", thinking)
+    chosen = grade.under(grader) if grade is not None else None
+    by_rule = {}
+    if len(rules) > 1:
+        for rule in rules:
+            g = grade.under(rule) if grade is not None else None
+            by_rule[f"extracted_{rule}"] = g.extracted if g is not None else None
+            by_rule[f"correct_{rule}"] = bool(g.correct) if g is not None else False
     return {
         "problem_id": problem.id,
         "sample": finished.sample,
         "seed": finished.seed,
         "output": text,
-        "extracted": grade.extracted if grade is not None else None,
-        "correct": bool(grade.correct) if grade is not None else False,
-        "grade_detail": grade.detail if grade is not None else reason,
+        "grader": grader,
+        "extracted": chosen.extracted if chosen is not None else None,
+        "correct": bool(chosen.correct) if chosen is not None else False,
+        "grade_detail": chosen.detail if chosen is not None else reason,
+        **by_rule,
         "finish_reason": reason,
         "error": error,
         "cut_by_limit": reason == "length",
@@ -160,16 +182,10 @@ def compute_metrics(
     metrics.update(_throughput(run_dir))
     if not n:
         return metrics
-    per_problem = [[r["correct"] for r in rs] for rs in by_problem.values()]
-    metrics["accuracy"] = mean_pass_at_1(per_problem)
-    if len(per_problem) > 1:
-        accs = [sum(p) / len(p) for p in per_problem]
-        mean = sum(accs) / len(accs)
-        metrics["accuracy_stderr"] = math.sqrt(sum((a - mean) ** 2 for a in accs) / (len(accs) - 1) / len(accs))
-    min_n = min(len(p) for p in per_problem)
-    for k in pass_k:
-        if k <= min_n:
-            metrics[f"pass@{k}"] = mean_pass_at_k(per_problem, k)
+    metrics.update(_accuracy(by_problem, "correct", "", pass_k))
+    for rule in grader_rules(samples):
+        metrics.update(_accuracy(by_problem, f"correct_{rule}", f"_{rule}", pass_k))
+        metrics[f"answered_rate_{rule}"] = sum(r[f"extracted_{rule}"] is not None for r in samples) / n
     classes = [r["loop_class"] for r in samples]
     decoded = [r for r in samples if r["finish_reason"] not in NOT_DECODED]
     metrics.update(
@@ -203,6 +219,29 @@ def compute_metrics(
             sub = [[r["correct"] for r in rs] for pid, rs in by_problem.items() if groups[pid] == year]
             metrics[f"accuracy/{year}"] = mean_pass_at_1(sub)
     return metrics
+
+
+def grader_rules(samples: list[dict]) -> list[str]:
+    """The grader rules every one of ``samples`` was graded under (``correct_<rule>`` keys), in first-seen order."""
+    if not samples:
+        return []
+    rules = [k[len("correct_") :] for k in samples[0] if k.startswith("correct_")]
+    return [rule for rule in rules if all(f"correct_{rule}" in r for r in samples)]
+
+
+def _accuracy(by_problem: dict[str, list[dict]], key: str, suffix: str, pass_k) -> dict:
+    """``accuracy<suffix>``, its standard error over problems and the unbiased ``pass@k<suffix>``, from ``key``."""
+    per_problem = [[bool(r[key]) for r in rs] for rs in by_problem.values()]
+    out: dict[str, float] = {f"accuracy{suffix}": mean_pass_at_1(per_problem)}
+    if len(per_problem) > 1:
+        accs = [sum(p) / len(p) for p in per_problem]
+        mean = sum(accs) / len(accs)
+        out[f"accuracy{suffix}_stderr"] = math.sqrt(sum((a - mean) ** 2 for a in accs) / (len(accs) - 1) / len(accs))
+    min_n = min(len(p) for p in per_problem)
+    for k in pass_k:
+        if k <= min_n:
+            out[f"pass@{k}{suffix}"] = mean_pass_at_k(per_problem, k)
+    return out
 
 
 def _throughput(run_dir: Path) -> dict:

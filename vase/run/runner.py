@@ -32,7 +32,10 @@ from vase.engine import Decoder, Request, model_geometry
 from vase.engine.cache import cache_capacity
 from vase.engine.memory import auto_dtype, plan_rows
 from vase.engine.sampling import SamplingConfig, sample_seeds
-from vase.run.checks import check_settings, parse_bytes
+from vase.engine.scores import score_dtype
+from vase.run.checks import check_protocol_n_protect, check_settings, parse_bytes
+from vase.run.protocol import comparable, protocol_knobs, run_tag
+from vase.run.protocol import settings as protocol_settings
 from vase.run.records import ThroughputLog, compute_metrics, sample_row, write_manifest
 from vase.run.results import (
     SAMPLES,
@@ -93,6 +96,8 @@ class Prepared:
     batching: str
     max_rows: int | str
     kv_memory: int | None
+    grader: str = "strict"
+    score_dtype: Any = None
 
 
 def prepare(cfg: DictConfig) -> Prepared:
@@ -109,6 +114,7 @@ def prepare(cfg: DictConfig) -> Prepared:
     if not explicit_budget:
         budget = resolve_budget(task.reference_tokens(model_spec.key), cfg.ratio, cfg.window)
         OmegaConf.update(cfg, "budget", budget, force_add=True)
+        check_protocol_n_protect(cfg)  # the protocol's value slots against the budget now known
     policy = build(cfg.policy, "policy")
     gen = cfg.generation
     sampling = SamplingConfig(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, greedy=gen.greedy)
@@ -138,15 +144,18 @@ def prepare(cfg: DictConfig) -> Prepared:
         "budget": None if budget_free else cfg.budget,
         "window": None if budget_free else cfg.window,
     }
+    own = protocol_settings(cfg.get("protocol"))
+    # the protocol's grader where the task has that rule (boxed answers), else the task's one rule (code)
+    grader = own["grader"] if own["grader"] in task.grader_rules else task.grader_rules[0]
     if cfg.run_dir:
         run_dir = Path(cfg.run_dir)
     else:
         budget_tag = "" if budget_free else f"-b{cfg.budget}"
-        tag = f"{policy.name}{budget_tag}-{stable_hash(policy_desc, 6)}-s{cfg.seed}"
+        tag = f"{policy.name}{budget_tag}-{stable_hash(policy_desc, 6)}-s{cfg.seed}{run_tag(cfg.get('protocol'))}"
         if task.num_shards > 1:
             tag += f"-shard{task.shard}of{task.num_shards}"
         run_dir = Path(cfg.results_dir) / task.name / model_spec.key / tag
-    return Prepared(
+    prep = Prepared(
         cfg,
         task,
         model_spec,
@@ -161,7 +170,11 @@ def prepare(cfg: DictConfig) -> Prepared:
         batching,
         max_rows,
         kv_memory,
+        grader,
+        score_dtype(own["score_dtype"]),
     )
+    protocol["protocol"] = protocol_knobs(prep, grader)  # every knob of docs/protocol.md, as this run uses it
+    return prep
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -203,14 +216,14 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
         "run dir %s: %d problems, %d samples done, %d problems to decode", run_dir, len(problems), len(done), len(work)
     )
     run_dir.mkdir(parents=True, exist_ok=True)
-    check_protocol(run_dir, _with_dtype(prep, work))
+    check_protocol(run_dir, comparable(run_dir, _with_dtype(prep, work)))
     check_resolved(run_dir, data)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     read_jsonl_tolerant(run_dir / SAMPLES, repair=True)  # a torn last line (killed mid-write) is cut off
     read_jsonl_tolerant(run_dir / THROUGHPUT, repair=True)
 
     run_logger = build(cfg.logger, "logger")
-    run_id = stable_hash({"dir": str(run_dir.resolve()), "protocol": prep.protocol}, 16)
+    run_id = stable_hash({"dir": str(run_dir.resolve()), "protocol": comparable(run_dir, prep.protocol)}, 16)
     run_logger.start(run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True), run_id=run_id)
     try:
         if work:
@@ -224,6 +237,8 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
             "budget": cfg.budget if prep.policy.kind != "none" else None,
             "window": cfg.window if prep.policy.kind != "none" else None,
             "ratio": cfg.ratio,
+            "grader": prep.grader,
+            "protocol": prep.protocol["protocol"]["name"],
             "run_dir": str(run_dir),
         }
         metrics = compute_metrics(run_dir, [p.id for p in problems], prep.n_samples, info, cfg.pass_k)
@@ -344,6 +359,7 @@ def _decode(prep: Prepared, work: list[Work], done_rows, run_dir: Path, run_logg
             attn_backend=cfg.generation.attn_backend,
             sync_every=cfg.generation.sync_every,
             on_cache=None if recorder is None else recorder.attach,
+            score_dtype=prep.score_dtype,
         )
         if not manifest_written:
             write_manifest(prep, run_dir, model, tokenizer, spec, dtype_reason, dec, plan, stop)
@@ -408,4 +424,6 @@ def _grade(prep: Prepared, w: Work, fin, tokenizer, dec: Decoder) -> dict:
         evicts=evicts,
         bytes_per_token=dec.geometry.bytes_per_token,
         max_length=prep.max_length,
+        grader=prep.grader,
+        rules=prep.task.grader_rules,
     )

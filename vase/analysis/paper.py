@@ -1,0 +1,142 @@
+"""The paper's published numbers that the harness reproduces, each with its source, in one place.
+
+:data:`GSM8K_PILOT` is the paper's pilot study (method.md §5), one :class:`PaperRow` per bar: which of our policies and
+settings reproduce it (``conf/pilot_row/<row>.yaml``, swept by ``sweep=gsm8k_pilot``), the authors' mode at
+``bfa2692``, and the published pass@1. ``tests/test_protocol.py`` composes every cell of the sweep and checks its
+policy settings against :attr:`PaperRow.settings`; :mod:`vase.analysis.pilot` puts the numbers beside a results tree.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PaperRow:
+    """One published number.
+
+    Attributes:
+        row: our name for it (``conf/pilot_row/<row>.yaml``).
+        label: the paper's label.
+        policy: our policy (``conf/policy/<policy>.yaml``).
+        settings: the policy fields that make this row (beyond the budget and window); a run matches the row when
+            its policy is ``policy`` and its fields have these values.
+        authors: the authors' command-line mode at ``bfa2692`` (``--mode ...``), or what else produced the number.
+            ``myscripts/run_gsm8k.sh`` lists the commands of SnapKV, VaSE-AttnV, CurDKV, VaSE-DKV and the full cache;
+            the ablations' modes (``attn_sample``, ``range_attn``, ``evict_large_range``) are those of
+            ``cache_utils.py`` with the same flags.
+        accuracy: pass@1, %.
+    """
+
+    row: str
+    label: str
+    policy: str
+    settings: dict[str, Any]
+    authors: str
+    accuracy: float
+
+
+@dataclass(frozen=True)
+class PaperTable:
+    """A published table: its protocol and its rows, with the source of the numbers."""
+
+    name: str
+    source: str
+    model: str
+    task: str
+    budget: int
+    problems: int
+    samples: int
+    max_length: int
+    rows: tuple[PaperRow, ...] = field(default_factory=tuple)
+
+    def row(self, name: str) -> PaperRow:
+        """The row called ``name``."""
+        for r in self.rows:
+            if r.row == name:
+                return r
+        raise KeyError(name)
+
+    def match(self, policy: str, params: dict[str, Any] | str) -> PaperRow | None:
+        """The row a run of ``policy`` with these policy fields (a dict, or its JSON) reproduces, if any.
+
+        A policy with one row matches it whatever its fields (the number is then for orientation, e.g. on another
+        task); a policy with several rows (the protection ladder) matches the row whose settings it has.
+        """
+        fields = json.loads(params) if isinstance(params, str) else dict(params or {})
+        mine = [r for r in self.rows if r.policy == policy]
+        if len(mine) == 1:
+            return mine[0]
+        for r in mine:
+            if all(fields.get(k) == v for k, v in r.settings.items()):
+                return r
+        return None
+
+
+_ATTN = {"sinks": 0, "n_protect": 0, "sample": False, "smooth_kernel": 5, "smooth_along": "storage"}
+
+GSM8K_PILOT = PaperTable(
+    name="gsm8k_pilot",
+    source=(
+        "Chang et al., 'Value-Aware Stochastic KV Cache Eviction for Reasoning Models' (arXiv 2606.03928), GSM8K pilot "
+        "table (method.md §5); the same numbers in terarachang/VaSE@bfa2692 eval/reasoning_tasks/plots/plot_pilot.py "
+        "(BARS) and the commands in eval/reasoning_tasks/myscripts/run_gsm8k.sh"
+    ),
+    model="Qwen3-4B",
+    task="gsm8k",
+    budget=512,
+    problems=500,
+    samples=4,
+    max_length=4096,
+    rows=(
+        PaperRow("snapkv", "Attn (SnapKV)", "snapkv", dict(_ATTN), "attn --smooth", 64.3),
+        PaperRow("snapkv_sample", "+ Sample", "snapkv_sample", {**_ATTN, "sample": True}, "attn_sample --smooth", 70.9),
+        *(
+            PaperRow(
+                f"snapkv_protect{n}",
+                f"+ {n} V slots",
+                "snapkv_protect",
+                {**_ATTN, "n_protect": n},
+                f"range_attn --smooth --n_large {n}",
+                acc,
+            )
+            for n, acc in ((16, 73.3), (32, 76.0), (64, 79.0), (256, 80.5))
+        ),
+        PaperRow(
+            "vase_attnv",
+            "+ Sample + 256 V slots (VaSE-AttnV)",
+            "vase_attnv",
+            {**_ATTN, "sinks": 4, "n_protect": 256, "sample": True, "value_stat": "range"},
+            "range_sink_sample_attn --smooth --n_large 256",
+            85.2,
+        ),
+        PaperRow(
+            "curdkv",
+            "CUR (CurDKV)",
+            "curdkv",
+            {"sinks": 4, "rank": 20, "resample_sketch": False},
+            "cur_fixed_gauss",
+            78.6,
+        ),
+        PaperRow(
+            "vase_dkv",
+            "+ Sample G (VaSE-DKV)",
+            "vase_dkv",
+            {"sinks": 4, "rank": 20, "resample_sketch": True},
+            "cur_resample_gauss",
+            87.6,
+        ),
+        PaperRow("full", "Full", "full", {}, "--sparsity_method dense", 88.0),
+        PaperRow("random", "Evict random", "random", {"sinks": 0}, "not in the code at bfa2692 (paper only)", 53.2),
+        PaperRow(
+            "evict_large_value",
+            "Evict largest V",
+            "evict_large_value",
+            {"sinks": 0, "value_stat": "range"},
+            "evict_large_range",
+            14.3,
+        ),
+    ),
+)
