@@ -97,6 +97,7 @@ class GPQADiamond(Task):
     shuffle_choices: bool = False
     seed: int = 0
     local_file: ClassVar[str] = "gpqa_diamond.jsonl"
+    row_fields: ClassVar[tuple[str, ...]] = ("question", "answer")
     pins: ClassVar[dict[str, str]] = {"": GPQA_REVISION}
 
     def problem_from_row(self, row: dict, index: int) -> Problem:
