@@ -223,7 +223,7 @@ def _cells(parsed: list, config_name: str, multirun: bool) -> list[list[str]] | 
     texts = [text for text, _ in parsed]
     if not multirun:
         return [texts]
-    plain = [text for text, o in parsed if not o.is_sweep_override()]  # a multirun composes its primary config so
+    plain = [text for text, o in parsed if not o.is_sweep_override()]  # the primary config: sweeps left out, as Hydra
     try:
         base = _compose(config_name, plain)
     except (HydraException, OmegaConfBaseException) as err:
@@ -259,7 +259,7 @@ def check_runs(argv: list[str]) -> str | None:
     args, cells = _checked["args"], _checked["cells"]
     if args.cfg or args.info or args.resolve or args.package:
         return None
-    from vase.run.results import check_run_dir, probe_lock
+    from vase.run.results import check_writable, probe_lock
     from vase.run.runner import plan
 
     handler = logging.StreamHandler(sys.stderr)  # warnings of the checks, before Hydra configures logging
@@ -272,7 +272,8 @@ def check_runs(argv: list[str]) -> str | None:
             where = cfg.hydra.sweep.dir if args.multirun else cfg.hydra.run.dir
             machine = "Slurm" not in str(cfg.hydra.launcher.get("_target_", ""))
             try:
-                check_run_dir(Path(str(where)), "results_dir (Hydra's output directory)")
+                fix = "point results_dir (or hydra.run.dir / hydra.sweep.dir) at a directory you can write"
+                check_writable(Path(str(where)), "results_dir (Hydra's output directory)", fix)
                 p = plan(cfg, machine=machine, cache=True)
                 if not args.multirun:
                     probe_lock(p.prep.run_dir)

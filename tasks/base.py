@@ -45,7 +45,6 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 LOCAL_DATA_HINT = "point task.data_dir at a local copy, e.g. task.data_dir=../shared/data"
-EMPTY_DATA_HINT = "point task.data_dir at a directory holding the task's data (e.g. task.data_dir=../shared/data)"
 
 
 @dataclass
@@ -90,9 +89,8 @@ def numbered_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
     Every problem is a one-line ``ValueError`` naming the file, the line and the fix: text that is not UTF-8, a line
     that is not JSON, a JSON value that is not an object.
     """
-    opener = gzip.open if str(path).endswith(".gz") else open
     fix = "fix or remove that line, or point task.data_dir at a good copy"
-    with opener(path, "rb") as f:
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8")
@@ -116,10 +114,8 @@ def numbered_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
 
 
 def iter_jsonl(path: str | Path) -> Iterator[dict]:
-    """Rows of a JSON-lines file, one at a time (blank lines skipped): memory holds one row, not the file. Errors as
-    :func:`numbered_jsonl`."""
-    for _, row in numbered_jsonl(path):
-        yield row
+    """Rows of a JSON-lines file, one at a time (:func:`numbered_jsonl`): memory holds one row, not the file."""
+    return (row for _, row in numbered_jsonl(path))
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -318,19 +314,16 @@ class Task:
         self.record_file(path)
         problems = [self.checked_problem(path, lineno, row, i) for i, (lineno, row) in enumerate(numbered_jsonl(path))]
         if not problems:
-            raise ValueError(f"task.data_dir: {path} holds no problems (the file is empty); {EMPTY_DATA_HINT}")
+            raise ValueError(f"task.data_dir: {path} holds no problems (the file is empty); {LOCAL_DATA_HINT}")
         return problems
 
     def checked_problem(self, path: Path, lineno: int, row: dict, index: int) -> Problem:
         """:meth:`problem_from_row` of one row of ``path``, any problem with the row a one-line ``ValueError`` naming
         the file, the line and what the task needs (:attr:`row_fields`)."""
-        missing = [f for f in self.row_fields if f not in row]
         need = f"task {self.name} needs {', '.join(self.row_fields)} on every line"
-        if missing:
-            raise ValueError(
-                f"{path}:{lineno}: missing field {', '.join(missing)} ({need}); fix that line, or point task.data_dir "
-                "at a complete copy"
-            )
+        if missing := [f for f in self.row_fields if f not in row]:
+            fix = "fix that line, or point task.data_dir at a complete copy"
+            raise ValueError(f"{path}:{lineno}: missing field {', '.join(missing)} ({need}); {fix}")
         try:
             return self.problem_from_row(row, index)
         except (KeyError, TypeError, AttributeError, ValueError) as exc:

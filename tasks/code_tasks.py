@@ -44,7 +44,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tasks.base import EMPTY_DATA_HINT, Grade, Problem, Task, hub_file, iter_jsonl, numbered_jsonl, warn_unpinned
+from tasks.base import LOCAL_DATA_HINT, Grade, Problem, Task, hub_file, iter_jsonl, numbered_jsonl, warn_unpinned
 from tasks.grading import extract_code
 from tasks.sandbox import (
     SandboxLimits,
@@ -356,7 +356,7 @@ class LiveCodeBench(CodeTask):
             if not raw or self._keep(row):
                 yield row, i
         if i < 0:
-            raise ValueError(f"task.data_dir: {path} holds no problems (the file is empty); {EMPTY_DATA_HINT}")
+            raise ValueError(f"task.data_dir: {path} holds no problems (the file is empty); {LOCAL_DATA_HINT}")
 
     def load_local(self, data_dir: Path) -> list[Problem]:
         """``livecodebench_v6_medium.jsonl`` in the shared-data schema (tests from ``livecodebench_tests/``) or as

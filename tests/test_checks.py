@@ -274,25 +274,39 @@ def test_i3_a_sandbox_setup_failure_is_never_a_grade(monkeypatch):
         task.grade(problem, f"```python\n{solution}```")
 
 
-def test_i4_every_cell_of_a_sweep_is_checked_before_the_first_job(tmp_path):
+@pytest.fixture
+def fresh_caches():
+    """``run.py``'s checks keep what they load for the run that follows; forget it after the test."""
+    from vase.run import preflight
+
+    yield
+    preflight.clear_caches()
+
+
+def test_i4_every_cell_of_a_sweep_is_checked_before_the_first_job(tmp_path, fresh_caches):
     from tests.test_cli import cli
 
     argv = ["-m", "model=tiny", "policy=snapkv", "policy.n_protect=0,-1", f"results_dir={tmp_path / 'results'}"]
     assert cli.check_overrides(argv) is None  # every setting of check_settings is fine
     msg = cli.check_runs(argv)
-    assert msg == "job #1 (policy.n_protect=-1): policy.n_protect: must be >= 0, got -1"
+    assert msg.startswith("job #1 (policy.n_protect=-1): policy.n_protect: must be >= 0, got -1; ")
     assert not (tmp_path / "results").exists()
-    sweep_file = ["-m", "sweep=smoke", "+policy.sinks=-1", f"results_dir={tmp_path / 'results'}"]  # the file's params
+    sweep_file = ["-m", "sweep=smoke", "policy.sinks=-1", f"results_dir={tmp_path / 'results'}"]  # the file's params
     assert cli.check_overrides(sweep_file) is None
     msg = cli.check_runs(sweep_file)
     assert msg is not None and msg.startswith("job #") and "policy.sinks" in msg
 
 
 def test_i4_the_cells_are_the_product_of_every_swept_value():
+    """As Hydra's basic sweeper makes them: the sweep file's params, then the command line's (a key given twice takes
+    the command line's values)."""
     from tests.test_cli import cli
 
-    argv = ["-m", "model=tiny", "policy=full,snapkv", "seed=0,1,2", "sweep=smoke"]
-    assert cli.check_overrides(argv) is None
+    assert cli.check_overrides(["-m", "model=tiny", "seed=0,1,2", "sweep=smoke"]) is None
     cells = cli._checked["cells"]
-    assert len(cells) == 3 * 2 * 2  # the sweep file's two policies, then the command line's
-    assert len({tuple(c) for c in cells}) == len(cells)
+    assert sorted(c[0] for c in cells) == ["policy=streaming"] * 3 + ["policy=vase_attnv"] * 3
+    assert sorted({c for cell in cells for c in cell if c.startswith("seed=")}) == ["seed=0", "seed=1", "seed=2"]
+    assert cli.check_overrides(["-m", "model=tiny", "policy=full,snapkv", "seed=0,1,2", "sweep=smoke"]) is None
+    cells = cli._checked["cells"]
+    assert len(cells) == 6 and {c[0] for c in cells} == {"policy=full", "policy=snapkv"}
+    assert len({tuple(c) for c in cells}) == 6

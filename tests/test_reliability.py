@@ -557,8 +557,10 @@ def test_destructive_paths_leave_the_finished_samples_as_they_were(finished_run:
     results = tmp_path / "results"
     run_dir = copy_run(finished_run, results)
     same = [*TINY_RUN, "limit=3", f"results_dir={results}"]
-    before = snapshot(run_dir)
     samples = (run_dir / "samples.jsonl").read_bytes()
+    run(compose(same), progress=False)  # the copy's metrics.json now names the copy's directory (run_dir)
+    before = snapshot(run_dir)
+    assert before["samples.jsonl"] == samples
 
     def refused(overrides: list[str], match: str) -> None:
         with pytest.raises(ValueError, match=match):
@@ -571,7 +573,7 @@ def test_destructive_paths_leave_the_finished_samples_as_they_were(finished_run:
     # a second writer
     with lock_run_dir(run_dir):
         refused(same, "is being written by another run")
-    # the same command, and a smaller limit: nothing to do, nothing rewritten
+    # the same command again, and a smaller limit: nothing to do, nothing rewritten
     for limit in (3, 1):
         metrics = run(compose([*TINY_RUN, f"limit={limit}", f"results_dir={results}"]), progress=False)
         assert metrics["samples"] == 6 and snapshot(run_dir) == before

@@ -13,8 +13,8 @@ line before Hydra starts. Each raises one ``ValueError("<setting or file>: <what
 * :func:`check_memory` — one row of the cache must fit the machine, ``generation.kv_memory`` must hold one row, and
   the rows in flight must fit the memory there is (a ``max_length`` that makes the full cache allocate 256 GB).
 
-``cache=True`` (``run.py``'s check before Hydra starts) remembers the problems and tokenizers it loads, so the run
-that follows in the same process does not load them twice; library calls and tests never cache.
+``cache=True`` (``run.py``'s check before Hydra starts) keeps the problems, tokenizers and model configs it loads for
+the run that follows in the same process.
 """
 
 from __future__ import annotations
@@ -466,6 +466,13 @@ def _size(n: int) -> str:
 # cached loads (run.py's check before Hydra starts, then its run)
 
 
+def clear_caches() -> None:
+    """Forget what ``cache=True`` kept (tests)."""
+    _problems.clear()
+    _tokenizers.clear()
+    _configs.clear()
+
+
 def load_problems(task: Any, key: str, cache: bool) -> tuple[Any, list]:
     """``(task, problems)`` after :meth:`Task.load`; with ``cache`` an earlier load of the same settings in this
     process is reused (the loaded task object too, so its resolved sources match the problems)."""
@@ -475,10 +482,6 @@ def load_problems(task: Any, key: str, cache: bool) -> tuple[Any, list]:
         problems = task.load()
     except ModuleNotFoundError as err:
         raise missing_package(err, f"task {task.name}") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(
-            f"task {task.name}: a data file is not UTF-8 text ({_one_line(err)}); save it as UTF-8"
-        ) from None
     if cache:
         _problems[key] = (task, problems)
     return task, problems

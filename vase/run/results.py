@@ -178,12 +178,15 @@ def write_json(path: Path, obj: Any) -> None:
     tmp.replace(path)
 
 
-def read_json(path: Path) -> Any:
-    """A JSON file this harness wrote, or a one-line ``ValueError`` naming it when it is damaged (truncated, not
-    UTF-8, edited)."""
+def read_json(path: Path) -> dict:
+    """A JSON object this harness wrote, or a one-line ``ValueError`` naming the file when it is damaged (truncated,
+    not UTF-8, edited into something else)."""
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        obj = json.loads(path.read_bytes().decode("utf-8"))
+        if not isinstance(obj, dict):
+            raise ValueError(f"a JSON {type(obj).__name__}, not an object")
+        return obj
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
         reason = " ".join(str(err).split())
         raise ValueError(
             f"{path}: damaged ({reason}; vase writes it atomically, so something else truncated or edited it); "
@@ -359,18 +362,8 @@ def check_run_dir(run_dir: Path, setting: str = "run_dir") -> None:
         fix = "point results_dir at a directory you can write, e.g. results_dir=results"
     else:
         fix = f"point {setting} at a new or empty directory, or at a vase run directory to resume it"
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ValueError(f"{setting}: {run_dir} is not a directory; {fix}")
+    check_writable(run_dir, setting, fix)
     if not run_dir.exists():
-        ancestor = run_dir.absolute().parent
-        while not ancestor.exists():
-            ancestor = ancestor.parent
-        if not ancestor.is_dir():
-            raise ValueError(f"{setting}: {run_dir} cannot be created ({ancestor} is not a directory); {fix}")
-        if not os.access(ancestor, os.W_OK | os.X_OK):
-            raise ValueError(
-                f"{setting}: {run_dir} cannot be created ({ancestor} is not writable); {fix}, on a writable disk"
-            )
         return
     entries = sorted(os.listdir(run_dir))
     foreign = [e for e in entries if e not in RUN_DIR_ENTRIES and not e.endswith(".tmp")]
@@ -382,8 +375,25 @@ def check_run_dir(run_dir: Path, setting: str = "run_dir") -> None:
             f"{setting}: {run_dir} holds {', '.join(entries)} but no {PROTOCOL}, so it is not a vase run directory "
             f"(or a damaged one); {fix}"
         )
-    if not os.access(run_dir, os.W_OK | os.X_OK):
-        raise ValueError(f"{setting}: {run_dir} is not writable; make it writable, or {fix}")
+
+
+def check_writable(path: Path, setting: str, fix: str) -> None:
+    """``path`` is a writable directory, or can be created: its nearest existing ancestor is a writable directory.
+    One line naming ``setting`` otherwise (nothing is created)."""
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{setting}: {path} is not a directory; {fix}")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{setting}: {path} is not writable; make it writable, or {fix}")
+        return
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"{setting}: {path} cannot be created ({ancestor} is not a directory); {fix}")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{setting}: {path} cannot be created ({ancestor} is not writable); {fix}, on a writable disk")
 
 
 class RunDirBusy(ValueError):

@@ -72,7 +72,9 @@ def build(node: Any, what: str) -> Any:
     except InstantiationException as err:
         cause = err.__cause__
         if isinstance(cause, ValueError):
-            raise ValueError(str(cause)) from None
+            msg = " ".join(str(cause).split())
+            fix = "" if "; " in msg else f"; fix it (the settings of each {what}: conf/{what}/*.yaml)"
+            raise ValueError(msg + fix) from None
         raise ValueError(f"{what}: cannot build it ({' '.join(str(cause or err).split())})") from None
 
 
@@ -222,6 +224,7 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False) -> RunPl
     """
     prep = prepare(cfg)
     run_dir = prep.run_dir
+    build(cfg.logger, "logger")  # its settings, checked now (it starts after the lock)
     check_run_dir(run_dir, "run_dir" if cfg.run_dir else "results_dir")
     key = stable_hash([type(prep.task).__qualname__, asdict(prep.task)], 16)
     prep.task, problems = load_problems(prep.task, key, cache)

@@ -159,9 +159,11 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         global last_summary
         last_summary = summarize(Path(str(config.hydra.sweep.dir)))
-        failed = [r for r in last_summary["results"] if r["status"] != "ok"]
-        for r in failed:
-            shown = " ".join(r.get("overrides") or []) or r.get("job_dir", "?")
+        results = last_summary["results"]
+        failed = [r for r in results if r["status"] != "ok"]
+        common = set.intersection(*(set(r.get("overrides") or []) for r in results)) if len(results) > 1 else set()
+        for r in failed:  # each with what sets it apart: the swept values
+            shown = " ".join(o for o in r.get("overrides") or [] if o not in common) or r.get("job_dir", "?")
             print(f"sweep: job #{r.get('num', '?')} ({shown}) {r['status']}: {r.get('error')}", file=sys.stderr)
         n = last_summary["jobs"]
         print(
