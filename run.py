@@ -34,7 +34,6 @@ CONF = Path(__file__).resolve().parent / "conf"
 GROUPS = ("model", "task", "policy", "generation", "logger", "sweep", "hydra/launcher")
 #: cells of a multirun checked before it starts; a bigger sweep's other cells are checked by their jobs
 MAX_CHECKED_CELLS = 1000
-log = logging.getLogger("vase")
 _checked: dict = {}  # the last command line check_overrides passed: its arguments and composed cells (check_runs)
 
 

@@ -285,6 +285,7 @@ def test_submitit_local_launcher_runs_a_two_job_sweep(tmp_path):
             "hydra/launcher=local",
             f"results_dir={tmp_path}",
             "progress=false",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
         ],
         cwd=ROOT,
         env=ENV,
@@ -295,6 +296,8 @@ def test_submitit_local_launcher_runs_a_two_job_sweep(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     dirs = _run_dirs(tmp_path)
     assert len(dirs) == 2 and all((d / "metrics.json").exists() for d in dirs)
+    summary = json.loads((tmp_path / "sweep" / "sweep_summary.json").read_text())  # the jobs ran in other processes
+    assert (summary["jobs"], summary["ok"], summary["failed"]) == (2, 2, 0)
 
 
 def test_wandb_offline_run_is_accepted_by_wandb_sync(tmp_path):

@@ -387,6 +387,7 @@ def test_sandbox_dies_with_the_harness() -> None:
     script = (
         "import os, sys\n"
         "from tasks import sandbox\n"
+        "sandbox.isolation_mode()  # its probe runs a program too: before the hook\n"
         "pump = sandbox._pump\n"
         "def told(proc, limits, deadline):\n"
         "    os.set_blocking(proc.stdout.fileno(), True)\n"

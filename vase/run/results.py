@@ -33,6 +33,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterable, Mapping
+from fnmatch import fnmatch
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ RESOLVED = "resolved.json"
 PROTOCOL = "protocol.json"
 LOCK = ".vase.lock"
 #: every entry a run directory of this harness may hold (W&B's offline runs in ``wandb/``, the kept sets of
-#: ``record_kept=true`` in ``kept_sets/``); ``*.tmp`` files are :func:`write_json`'s, left by a kill mid-write
+#: ``record_kept=true`` in ``kept_sets/``): a directory holding anything else is not a run (:func:`check_run_dir`)
 RUN_DIR_ENTRIES = frozenset(
     {
         PROTOCOL,
@@ -60,6 +61,9 @@ RUN_DIR_ENTRIES = frozenset(
         "kept_sets",
     }
 )
+#: and names of these forms (per-process sample or throughput files of a data-parallel run, :func:`write_json`'s
+#: temporary files left by a kill mid-write)
+RUN_DIR_PATTERNS = ("samples*.jsonl", "throughput*.jsonl", "*.tmp")
 #: the fields every line of ``samples.jsonl`` has (:func:`read_samples`)
 SAMPLE_FIELDS = ("problem_id", "sample", "correct")
 #: test hook: ``k`` (or ``k:INT``) SIGKILLs (SIGINTs) this process right after its k-th sample is durable
@@ -353,9 +357,9 @@ def check_run_dir(run_dir: Path, setting: str = "run_dir") -> None:
     """Refuse a target a run may not write into, before anything is written (one line naming ``setting``).
 
     A run writes into ``run_dir`` only when it is absent (its nearest existing ancestor a writable directory), empty,
-    or a run directory of this harness: every entry one of :data:`RUN_DIR_ENTRIES` (or a ``*.tmp`` left by a kill
-    mid-write), and ``protocol.json`` there unless the directory holds nothing but the lock (a run killed before it
-    wrote anything). ``run_dir=conf`` or ``results_dir=/dev/null`` are refused, never written into.
+    or a run directory of this harness: every entry one of :data:`RUN_DIR_ENTRIES` or of the forms
+    :data:`RUN_DIR_PATTERNS`, and ``protocol.json`` there unless the directory holds nothing but the lock (a run
+    killed before it wrote anything). ``run_dir=conf`` or ``results_dir=/dev/null`` are refused, never written into.
     """
     run_dir = Path(run_dir)
     if setting.startswith("results_dir"):
@@ -366,7 +370,7 @@ def check_run_dir(run_dir: Path, setting: str = "run_dir") -> None:
     if not run_dir.exists():
         return
     entries = sorted(os.listdir(run_dir))
-    foreign = [e for e in entries if e not in RUN_DIR_ENTRIES and not e.endswith(".tmp")]
+    foreign = [e for e in entries if e not in RUN_DIR_ENTRIES and not any(fnmatch(e, p) for p in RUN_DIR_PATTERNS)]
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise ValueError(f"{setting}: {run_dir} is not a vase run directory (it holds {shown}); {fix}")
