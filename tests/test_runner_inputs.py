@@ -482,7 +482,7 @@ def test_i4_a_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     summary = json.loads((sweep_dir / "sweep_summary.json").read_text())
     assert (summary["jobs"], summary["ok"], summary["failed"]) == (2, 1, 1)
     failed, ok = summary["results"]
-    assert failed["status"] == "failed" and failed["kind"] == "bad input" and "policy=streaming" in failed["overrides"]
+    assert failed["status"] == "failed" and failed["kind"] == "busy" and "policy=streaming" in failed["overrides"]
     assert failed["error"].startswith(f"run_dir {busy} is being written by another run (pid {os.getpid()} on ")
     assert ok["status"] == "ok" and ok["complete"] and "policy=vase_attnv" in ok["overrides"]
     assert "sweep: job #0 (policy=streaming" in r.stderr and "sweep: 2 jobs, 1 ok, 1 failed" in r.stderr

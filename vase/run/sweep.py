@@ -13,8 +13,8 @@
   a job that left no outcome (killed, out of memory) is reported as such.
 
 ``sweep_summary.json``: ``{"sweep_dir", "jobs", "ok", "failed", "results": [{"num", "overrides", "status"
-("ok" | "failed" | "no outcome"), "error" (one line), "kind" ("bad input" | "machine" | "bug" | ...), "run_dir",
-"accuracy", "complete", "job_dir"}]}``.
+("ok" | "failed" | "no outcome"), "error" (one line), "kind" ("bad input" | "busy" | "machine" | "bug" | "killed"),
+"run_dir", "accuracy", "complete", "job_dir"}]}``.
 
 Only the standard library and Hydra/OmegaConf are imported at module level (Hydra instantiates the callback in every
 ``run.py`` process).
@@ -49,6 +49,10 @@ def one_line(text: object) -> str:
 
 def classify(err: BaseException) -> tuple[str, str, int]:
     """``(kind, one line, exit code)`` of an error a job raised."""
+    from vase.run.results import RunDirBusy
+
+    if isinstance(err, RunDirBusy):
+        return "busy", one_line(err), 2
     if isinstance(err, ModuleNotFoundError):
         from vase.run.preflight import missing_package
 
