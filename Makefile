@@ -40,7 +40,7 @@ MODELS_DONE := _setup-models
 .PHONY: _setup _setup-models
 endif
 
-.PHONY: help venv setup setup-models run test test-slow pilot pilot-extended lint format bench clean
+.PHONY: help venv setup setup-models run test test-slow pilot pilot-extended lint format bench reliability-doc clean
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -95,6 +95,9 @@ format: setup  ## ruff format + fixes
 
 bench: setup  ## the CPU throughput / memory benchmark (see scripts/bench_throughput.py)
 	$(PY) scripts/bench_throughput.py
+
+reliability-doc: setup  ## regenerate docs/reliability.md from the registry in tests/test_reliability.py
+	$(PY) scripts/reliability_table.py
 
 clean:  ## remove caches (not results/, not .venv/)
 	rm -rf .pytest_cache .ruff_cache outputs multirun

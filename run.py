@@ -10,21 +10,32 @@ Config groups (conf/): model, task, policy, generation, protocol (default | pape
 logger, sweep, hydra/launcher. Top-level keys: ratio, budget, window, seed, n_samples, limit, results_dir, run_dir,
 pass_k. Results: results/<task>/<model>/<run>/. Rerunning the same command resumes it.
 
-Before Hydra starts (so nothing is written), the command line is composed with Hydra's compose API and every setting
-checked (:func:`check_overrides`, :mod:`vase.run.checks`): a typo or a bad value is one line on stderr with a
-did-you-mean or the fix, exit code 2.
+Before Hydra starts (so nothing is written, not even Hydra's own directory), every cell of the command line (one run,
+or every job of a multirun: the product of the swept values, the sweep file's included) is composed with Hydra's
+compose API and checked: first every setting (:func:`check_overrides`, :mod:`vase.run.checks`, no torch), then
+everything a run checks before it writes (:func:`check_runs`, :func:`vase.run.runner.plan`: the policy's and the task's
+fields, the data, the run directory, the model's config, the device, the memory). A typo or a bad value is one line on
+stderr with a did-you-mean or the fix, exit code 2.
+
+Exit codes: 0 done; 2 bad input (one line, nothing written); 1 a failure while running (one line for the machine's:
+disk full, permissions; a traceback for a bug), or a multirun in which a job failed (the other jobs ran; every job's
+outcome is in ``<sweep dir>/sweep_summary.json``, :mod:`vase.run.sweep`); 130 interrupted (Ctrl-C), with the command
+that resumes. ``raise_errors=true`` keeps Python's tracebacks for debugging.
 """
 
 from __future__ import annotations
 
 import difflib
 import logging
+import shlex
 import sys
 from pathlib import Path
 
 CONF = Path(__file__).resolve().parent / "conf"
 GROUPS = ("model", "task", "policy", "generation", "protocol", "pilot_row", "logger", "sweep", "hydra/launcher")
-log = logging.getLogger("vase")
+#: cells of a multirun checked before it starts; a bigger sweep's other cells are checked by their jobs
+MAX_CHECKED_CELLS = 1000
+_checked: dict = {}  # the last command line check_overrides passed: its arguments and composed cells (check_runs)
 
 
 def check_group_choices(argv: list[str]) -> str | None:
@@ -167,36 +178,113 @@ def check_overrides(argv: list[str]) -> str | None:
             reason = _one_line(str(err).split("\n")[0])
             fix = "write key=value, and quote values with special characters: key='a,b'"
             return f"{text}: cannot parse it ({reason}); {fix}"
-    first = [text for text, _ in parsed]  # the first value of every sweep; then each other value in turn
-    others: list[tuple[int, str]] = []
-    for i, (text, o) in enumerate(parsed):
-        if not o.is_sweep_override():
-            continue
-        key = o.get_key_element()
-        if not args.multirun:
+    for text, o in parsed:
+        if o.is_sweep_override() and not args.multirun:
+            key = o.get_key_element()
             return (
                 f"{text}: a comma-separated value is a sweep; add -m to sweep over it, write {key}=[a,b] for a list, "
                 f"or quote it: {key}='a,b'"
             )
+    cells = _cells(parsed, config_name, args.multirun)
+    if isinstance(cells, str):
+        return cells
+    if len(cells) > MAX_CHECKED_CELLS:
+        print(
+            f"warning: the sweep has {len(cells)} jobs; checking the first {MAX_CHECKED_CELLS} before it starts (each "
+            "other job checks its settings when it starts, and a bad one fails alone, reported in the sweep summary)",
+            file=sys.stderr,
+        )
+    composed = []
+    for cell in cells[:MAX_CHECKED_CELLS]:
         try:
-            values = [f"{key}={v}" for v in o.sweep_string_iterator()]
-        except HydraException:  # interval() / glob(): not enumerable here, left to Hydra
-            values = []
-        first[i] = values[0] if values else ""
-        others += [(i, v) for v in values[1:]]
-    variants = [first]
-    for i, v in others:
-        variants.append([v if j == i else t for j, t in enumerate(first)])
-    for variant in variants[:64]:
-        overrides = [t for t in variant if t]
-        try:
-            cfg = _compose(config_name, overrides)
+            cfg = _compose(config_name, cell)
         except (HydraException, OmegaConfBaseException) as err:
-            return _explain(err, overrides, config_name)
+            return _explain(err, cell, config_name)
         try:
             check_settings(cfg)
         except ValueError as err:
-            return str(err)
+            return _in_cell(cell, cells, str(err))
+        composed.append((cell, cfg))
+    _checked.clear()
+    _checked.update(argv=list(argv), args=args, cells=cells, composed=composed)
+    return None
+
+
+def _cells(parsed: list, config_name: str, multirun: bool) -> list[list[str]] | str:
+    """The override list of every job the command line launches: one for a run; for a multirun, the product of the
+    swept values, the sweep file's ``hydra.sweeper.params`` included, as Hydra's basic sweeper makes it (an error
+    string when the command line does not compose)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    texts = [text for text, _ in parsed]
+    if not multirun:
+        return [texts]
+    plain = [text for text, o in parsed if not o.is_sweep_override()]  # the primary config: sweeps left out, as Hydra
+    try:
+        base = _compose(config_name, plain)
+    except (HydraException, OmegaConfBaseException) as err:
+        return _explain(err, plain, config_name)
+    params = {}
+    if str(base.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
+        node = base.hydra.sweeper.get("params")
+        params = OmegaConf.to_container(node, resolve=False) if node is not None else {}
+    try:
+        overrides = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()] + texts)
+        return [list(cell) for batch in BasicSweeper.split_arguments(overrides, None) for cell in batch]
+    except HydraException:  # interval() / a sweeper of its own: not enumerable here, the first values only
+        return [[t for t in texts if t in plain]]
+
+
+def _in_cell(cell: list[str], cells: list[list[str]], message: str) -> str:
+    """``message``, prefixed with the job's swept values when the command line launches several jobs."""
+    if len(cells) < 2:
+        return message
+    swept = [o for o in cell if any(o not in other for other in cells)]
+    return f"job #{cells.index(cell)} ({' '.join(swept)}): {message}"
+
+
+def check_runs(argv: list[str]) -> str | None:
+    """Everything each job will check before it writes (:func:`vase.run.runner.plan`), for every cell, before Hydra
+    starts; and Hydra's own output directory. Run after :func:`check_overrides` passed. The device and memory checks
+    are skipped for a SLURM launch (its nodes check them); a single run also checks that no other run holds its
+    directory. ``None`` when every cell would start."""
+    if _checked.get("argv") != list(argv):
+        error = check_overrides(argv)
+        if error or _checked.get("argv") != list(argv):
+            return error
+    args, cells = _checked["args"], _checked["cells"]
+    if args.cfg or args.info or args.resolve or args.package:
+        return None
+    from vase.run.results import check_writable, probe_lock
+    from vase.run.runner import plan
+
+    handler = logging.StreamHandler(sys.stderr)  # warnings of the checks, before Hydra configures logging
+    handler.setFormatter(logging.Formatter("[%(asctime)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S"))
+    handler.setLevel(logging.WARNING)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        for cell, cfg in _checked["composed"]:
+            where = cfg.hydra.sweep.dir if args.multirun else cfg.hydra.run.dir
+            machine = "Slurm" not in str(cfg.hydra.launcher.get("_target_", ""))
+            try:
+                fix = "point results_dir (or hydra.run.dir / hydra.sweep.dir) at a directory you can write"
+                check_writable(Path(str(where)), "results_dir (Hydra's output directory)", fix)
+                p = plan(cfg, machine=machine, cache=True)
+                if not args.multirun:
+                    probe_lock(p.prep.run_dir)
+            except ValueError as err:
+                return _in_cell(cell, cells, str(err))
+            except ModuleNotFoundError as err:
+                from vase.run.preflight import missing_package
+
+                return _in_cell(cell, cells, str(missing_package(err, "run")))
+    finally:
+        root.removeHandler(handler)
     return None
 
 
@@ -206,19 +294,15 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path="conf", config_name="config")
     def _run(cfg: DictConfig) -> float | None:
-        from vase.run.runner import run
+        from vase.run.sweep import run_job
 
-        try:
-            metrics = run(cfg, progress=cfg.progress)
-        except ValueError as err:
-            log.error("error: %s", err)
-            if cfg.get("raise_errors", False):
-                raise
-            sys.exit(2)
-        print_summary(metrics, budget_free=_budget_free(cfg))
-        return metrics.get("accuracy")
+        return run_job(cfg, lambda metrics: print_summary(metrics, budget_free=_budget_free(cfg)))
 
     _run()
+    from vase.run import sweep
+
+    if sweep.last_summary is not None and sweep.last_summary["failed"]:
+        sys.exit(1)  # a multirun in which a job failed; the summary says which
 
 
 def _budget_free(cfg) -> bool:
@@ -280,9 +364,29 @@ def print_summary(metrics: dict, budget_free: bool = False) -> None:
     print("\n".join(lines), flush=True)  # the entry script's report to the user
 
 
+def _resume_hint() -> str:
+    command = shlex.join(["python", "run.py", *sys.argv[1:]])
+    return f"interrupted: every finished sample is saved; rerun the same command to resume: {command}"
+
+
 if __name__ == "__main__":
-    error = check_group_choices(sys.argv[1:]) or check_overrides(sys.argv[1:])
-    if error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
-    main()
+    try:
+        raise_errors = any(a.replace(" ", "") in ("raise_errors=true", "raise_errors=True") for a in sys.argv[1:])
+        try:
+            error = check_group_choices(sys.argv[1:]) or check_overrides(sys.argv[1:]) or check_runs(sys.argv[1:])
+        except Exception as err:
+            if raise_errors:
+                raise
+            from vase.run.sweep import classify
+
+            kind, line, _ = classify(err)
+            if kind == "bug":
+                raise
+            error = line
+        if error:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(2)
+        main()
+    except KeyboardInterrupt:
+        print(_resume_hint(), file=sys.stderr)
+        sys.exit(130)

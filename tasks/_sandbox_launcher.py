@@ -23,7 +23,9 @@ harness). It reads the plan, then, in ``full`` mode (the harness runs as root):
 In ``basic`` mode (not root) it only sets the resource limits, tries a private network namespace through an
 unprivileged user namespace, and ``exec``s the program.
 
-A failure of the setup exits with status 125 and a line starting with ``VASE_SANDBOX_SETUP_ERROR`` on stderr.
+Usage: ``_sandbox_launcher.py PLAN.json [SETUP_FD]``. A failure of the setup exits with status 125 and writes a line
+starting with ``VASE_SANDBOX_SETUP_ERROR`` on ``SETUP_FD`` (a pipe from the harness, close-on-exec here, so the
+program never holds it and cannot fake a setup error; on stderr when no fd is given).
 """
 
 import ctypes
@@ -73,8 +75,11 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
     _check(_libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
 
 
+_setup_fd = 2  # where _fail reports: the harness's setup pipe (main() sets it), else stderr
+
+
 def _fail(msg: str) -> None:
-    os.write(2, f"{SETUP_ERROR_TAG}: {msg}\n".encode(errors="replace"))
+    os.write(_setup_fd, f"{SETUP_ERROR_TAG}: {msg}\n".encode(errors="replace"))
     os._exit(SETUP_ERROR_STATUS)
 
 
@@ -237,6 +242,10 @@ def run_basic(plan: dict) -> None:
 
 def main() -> None:
     """Read the plan named on the command line and run it."""
+    global _setup_fd
+    if len(sys.argv) > 2:
+        _setup_fd = int(sys.argv[2])
+        os.set_inheritable(_setup_fd, False)  # closed by the program's exec: only the setup can report on it
     try:
         # die with the harness (in basic mode this survives the exec and covers the program itself)
         _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")

@@ -21,6 +21,7 @@ unreachable (probed once per process, :func:`vase.hub.ensure_hub_mode`), gated o
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
@@ -90,15 +91,39 @@ class Grade:
         return self.rules.get(rule, self)
 
 
+def numbered_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
+    """``(line number, row)`` of a JSON-lines file, one at a time (blank lines skipped; ``.gz`` read compressed).
+
+    Every problem is a one-line ``ValueError`` naming the file, the line and the fix: text that is not UTF-8, a line
+    that is not JSON, a JSON value that is not an object.
+    """
+    fix = "fix or remove that line, or point task.data_dir at a good copy"
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1}); save the "
+                    "file as UTF-8 (e.g. iconv -f latin1 -t utf-8), or point task.data_dir at a good copy"
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({exc}); {fix}") from None
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"{path}:{lineno}: a JSON {type(row).__name__}, not an object (every line must be one JSON object "
+                    f"with the problem's fields); {fix}"
+                )
+            yield lineno, row
+
+
 def iter_jsonl(path: str | Path) -> Iterator[dict]:
-    """Rows of a JSON-lines file, one at a time (blank lines skipped): memory holds one row, not the file."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{lineno}: invalid JSON ({exc})") from None
+    """Rows of a JSON-lines file, one at a time (:func:`numbered_jsonl`): memory holds one row, not the file."""
+    return (row for _, row in numbered_jsonl(path))
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -144,6 +169,8 @@ class Task:
     grader_rules: ClassVar[tuple[str, ...]] = ("strict",)
     #: file name of the task in ``data_dir``
     local_file: ClassVar[str | None] = None
+    #: the fields every row of the local file must have (checked with the file and line named, before any decoding)
+    row_fields: ClassVar[tuple[str, ...]] = ()
     #: the hub datasets' pinned revisions, by part: ``{"": sha}`` for a task that loads one dataset,
     #: ``{"feb": sha, "nov": sha}`` for one that loads several; empty for a task that loads nothing from the hub
     pins: ClassVar[dict[str, str]] = {}
@@ -295,7 +322,23 @@ class Task:
         """Problems from the local JSONL file in ``data_dir``."""
         path = self.local_path(data_dir)
         self.record_file(path)
-        return [self.problem_from_row(row, i) for i, row in enumerate(read_jsonl(path))]
+        problems = [self.checked_problem(path, lineno, row, i) for i, (lineno, row) in enumerate(numbered_jsonl(path))]
+        if not problems:
+            raise ValueError(f"task.data_dir: {path} holds no problems (the file is empty); {LOCAL_DATA_HINT}")
+        return problems
+
+    def checked_problem(self, path: Path, lineno: int, row: dict, index: int) -> Problem:
+        """:meth:`problem_from_row` of one row of ``path``, any problem with the row a one-line ``ValueError`` naming
+        the file, the line and what the task needs (:attr:`row_fields`)."""
+        need = f"task {self.name} needs {', '.join(self.row_fields)} on every line"
+        if missing := [f for f in self.row_fields if f not in row]:
+            fix = "fix that line, or point task.data_dir at a complete copy"
+            raise ValueError(f"{path}:{lineno}: missing field {', '.join(missing)} ({need}); {fix}")
+        try:
+            return self.problem_from_row(row, index)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            what = f"missing field {exc}" if isinstance(exc, KeyError) else " ".join(str(exc).split())
+            raise ValueError(f"{path}:{lineno}: cannot read this row ({what}; {need}); fix that line") from None
 
     def load_hub(self) -> list[Problem]:
         """Problems from the Hugging Face hub (pinned revision)."""
@@ -460,6 +503,7 @@ __all__ = [
     "hub_cached",
     "hub_file",
     "iter_jsonl",
+    "numbered_jsonl",
     "load_hub_dataset",
     "read_jsonl",
     "warn_unpinned",

@@ -34,6 +34,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import pickle
 import zlib
 from collections.abc import Iterator
@@ -43,9 +44,16 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tasks.base import Grade, Problem, Task, hub_file, iter_jsonl, warn_unpinned
+from tasks.base import LOCAL_DATA_HINT, Grade, Problem, Task, hub_file, iter_jsonl, numbered_jsonl, warn_unpinned
 from tasks.grading import extract_code
-from tasks.sandbox import SandboxLimits, default_workers, isolation_mode, run_program
+from tasks.sandbox import (
+    SandboxLimits,
+    check_limits,
+    default_workers,
+    isolation_mode,
+    raise_for_setup,
+    run_program,
+)
 from vase.hub import sha256_file, snapshot_sha
 
 logger = logging.getLogger(__name__)
@@ -168,16 +176,29 @@ class CodeTask(Task):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.timeout_s <= 0:
-            raise ValueError(f"task.timeout_s: must be > 0, got {self.timeout_s}")
-        if self.memory_mb <= 0:
-            raise ValueError(f"task.memory_mb: must be > 0, got {self.memory_mb}")
-        if self.max_workers is not None and self.max_workers < 1:
-            raise ValueError(f"task.max_workers: must be >= 1 or null, got {self.max_workers}")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ValueError(
+                f"task.timeout_s: must be a finite number of seconds > 0 (the sandbox's wall clock and CPU limit per "
+                f"test), got {t!r}; e.g. task.timeout_s=6"
+            )
+        m = self.memory_mb
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m != int(m) or m < 1:
+            raise ValueError(
+                f"task.memory_mb: must be a whole number of MiB >= 1 (the sandbox's address-space limit), got {m!r}; "
+                "e.g. task.memory_mb=2048"
+            )
+        self.memory_mb = int(m)
+        w = self.max_workers
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"task.max_workers: must be an integer >= 1 or null, got {w!r}; e.g. task.max_workers=4")
+        self.limits()  # every limit the sandbox will get, checked now (SandboxLimits refuses what the OS cannot take)
 
     def check_environment(self) -> None:
-        """Generated code needs the sandbox: refuse root without isolation now (see :func:`isolation_mode`)."""
+        """Generated code needs the sandbox: refuse root without isolation now (see :func:`isolation_mode`), and
+        limits under which the sandbox cannot run even an empty program (every program would be graded wrong)."""
         isolation_mode()
+        check_limits(self.limits(self.timeout_s + STARTUP_SLACK_S))
 
     def limits(self, timeout_s: float | None = None) -> SandboxLimits:
         """Sandbox limits of one run (``timeout_s`` overrides the per-test limit)."""
@@ -321,9 +342,21 @@ class LiveCodeBench(CodeTask):
         """``(row, index)`` of the local file's rows (raw hub rows filtered by difficulty), streamed."""
         path = self.local_path(data_dir)
         self.record_file(path)
-        for i, row in enumerate(iter_jsonl(path)):
-            if "question_content" not in row or self._keep(row):
+        i = -1
+        for i, (lineno, row) in enumerate(numbered_jsonl(path)):
+            raw = "question_content" in row
+            need = ("question_id", "public_test_cases", "private_test_cases") if raw else ("question_id", "prompt")
+            missing = [f for f in need if f not in row]
+            if missing:
+                schema = "a raw hub row" if raw else "the ../shared/data schema"
+                raise ValueError(
+                    f"{path}:{lineno}: missing field {', '.join(missing)} (needed in {schema}: {', '.join(need)}); "
+                    "fix that line, or point task.data_dir at a complete copy"
+                )
+            if not raw or self._keep(row):
                 yield row, i
+        if i < 0:
+            raise ValueError(f"task.data_dir: {path} holds no problems (the file is empty); {LOCAL_DATA_HINT}")
 
     def load_local(self, data_dir: Path) -> list[Problem]:
         """``livecodebench_v6_medium.jsonl`` in the shared-data schema (tests from ``livecodebench_tests/``) or as
@@ -365,7 +398,13 @@ class LiveCodeBench(CodeTask):
                 f"{data_dir / self.tests_dir}; copy the complete {self.tests_dir}/, or load from the hub with "
                 f"task.data_dir=null"
             )
-        sample = json.loads(path.read_text())
+        try:
+            sample = json.loads(path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(
+                f"task {self.name}: {path} (the hidden tests of problem {qid}) is damaged ({exc}); replace it with the "
+                "original test file"
+            ) from None
         if pointer.get("md5"):
             if hashlib.md5(json.dumps(sample).encode()).hexdigest() != pointer["md5"]:
                 raise ValueError(
@@ -386,7 +425,7 @@ class LiveCodeBench(CodeTask):
         if tests.get("fn_name"):
             return self._run_functional(source, tests)
         for stdin, expected in zip(tests["inputs"], tests["outputs"]):
-            res = run_program(source, stdin, limits=self.limits(self.timeout_s + STARTUP_SLACK_S))
+            res = raise_for_setup(run_program(source, stdin, limits=self.limits(self.timeout_s + STARTUP_SLACK_S)))
             if res.status != "ok":
                 return False, {"failed": "runtime_error"}.get(res.status, res.status)
             if not lcb_outputs_match(res.stdout, expected):
@@ -403,7 +442,7 @@ class LiveCodeBench(CodeTask):
         }
         files = {"solution.py": source, "tests.json": json.dumps(spec)}
         limits = self.limits((self.timeout_s + 1.0) * (n + 1) + STARTUP_SLACK_S)
-        res = run_program(DRIVER.read_text(), files=files, limits=limits)
+        res = raise_for_setup(run_program(DRIVER.read_text(), files=files, limits=limits))
         lines = [line for line in res.stdout.splitlines() if line.startswith(DRIVER_MARKER)]
         if not lines:
             return False, res.status if res.status != "ok" else "no_result"

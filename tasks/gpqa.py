@@ -97,6 +97,7 @@ class GPQADiamond(Task):
     shuffle_choices: bool = False
     seed: int = 0
     local_file: ClassVar[str] = "gpqa_diamond.jsonl"
+    row_fields: ClassVar[tuple[str, ...]] = ("question", "answer")
     pins: ClassVar[dict[str, str]] = {"": GPQA_REVISION}
     grader_rules: ClassVar[tuple[str, ...]] = GRADER_RULES
 

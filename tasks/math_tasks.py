@@ -88,6 +88,7 @@ class AIME25(MathTask):
 
     name: str = "aime25"
     local_file: ClassVar[str] = "aime25.jsonl"
+    row_fields: ClassVar[tuple[str, ...]] = ("problem", "answer")
     hub_id: ClassVar[str] = "math-ai/aime25"
     pins: ClassVar[dict[str, str]] = {"": AIME25_REVISION}
     year: ClassVar[int] = 2025
@@ -172,6 +173,7 @@ class HMMT25(MathTask):
 
     name: str = "hmmt25"
     local_file: ClassVar[str] = "hmmt25.jsonl"
+    row_fields: ClassVar[tuple[str, ...]] = ("problem", "answer")
     hub_parts: ClassVar[tuple[tuple[str, str], ...]] = (
         ("MathArena/hmmt_feb_2025", "feb"),
         ("MathArena/hmmt_nov_2025", "nov"),
@@ -205,6 +207,7 @@ class MATH500(MathTask):
 
     name: str = "math500"
     local_file: ClassVar[str] = "math500.jsonl"
+    row_fields: ClassVar[tuple[str, ...]] = ("problem", "answer")
     pins: ClassVar[dict[str, str]] = {"": MATH500_REVISION}
 
     def problem_from_row(self, row: dict, index: int) -> Problem:
@@ -237,6 +240,7 @@ class GSM8K(MathTask):
     name: str = "gsm8k"
     max_length: int = 4096
     local_file: ClassVar[str] = "gsm8k.jsonl"
+    row_fields: ClassVar[tuple[str, ...]] = ("question", "answer")
     pins: ClassVar[dict[str, str]] = {"": GSM8K_REVISION}
     prompt_suffix: ClassVar[str] = GSM_SUFFIX
 

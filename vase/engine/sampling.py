@@ -60,7 +60,10 @@ def candidate_distribution(logits: torch.Tensor, cfg: SamplingConfig) -> tuple[t
         candidates are the whole vocabulary in order). Restricting to the top-k first keeps sampling cheap with
         large vocabularies.
     """
-    logits = logits.float() / cfg.temperature
+    logits = logits.float()
+    # Scaled after subtracting the row max, so no finite logit overflows however small the temperature (1e-300:
+    # every token but the row's best goes to -inf, never NaN); 1 / T saturates at float32's largest finite value.
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) * min(1.0 / cfg.temperature, torch.finfo(torch.float32).max)
     ids = None
     if cfg.top_k and cfg.top_k < logits.shape[-1]:
         logits, ids = logits.topk(cfg.top_k, dim=-1)  # sorted, descending

@@ -96,9 +96,10 @@ class WindowedAttentionEviction(EvictionPolicy):
         )
         _check(isinstance(self.sample, bool), "policy.sample", f"must be true or false, got {self.sample!r}")
         _check(
-            isinstance(self.attn_temperature, (int, float)) and self.attn_temperature > 0,
+            isinstance(self.attn_temperature, (int, float)) and 1e-6 <= self.attn_temperature < float("inf"),
             "policy.attn_temperature",
-            f"must be > 0, got {self.attn_temperature!r}",
+            f"must be a finite number >= 1e-6 (a smaller one overflows the float32 attention logits), got "
+            f"{self.attn_temperature!r}; e.g. policy.attn_temperature=1.0",
         )
         k = self.smooth_kernel
         _check(

@@ -4,21 +4,24 @@ Everything is built from the composed Hydra config with ``hydra.utils.instantiat
 logger), so the runner never branches on types. Order of work, cheapest first, and nothing is written before every
 input has been checked:
 
-1. check every setting (:func:`vase.run.checks.check_settings`), then build the task, the model spec and the policy
-   (one-line ``ValueError`` on bad input, before any data or weights load);
+1. check every setting (:func:`vase.run.checks.check_settings`), the fields of the task, model, policy and logger
+   nodes, then build them (one-line ``ValueError`` on bad input, before any data or weights load);
 2. resolve the budget (``budget=`` or the task's reference full-cache output length for the model / ``ratio``,
-   rounded to a multiple of ``window``), the run directory and its protocol;
-3. load the problems and the tokenizer (no weights), render and measure every prompt; refuse a changed protocol;
-4. only then write ``protocol.json`` / ``config.yaml``, load the weights, size the cache (capacity per row from the
-   longest prompt still to decode; rows in flight from ``generation.max_rows`` / ``generation.kv_memory``) and decode
-   every missing sample with continuous batching, writing each sample to ``samples.jsonl`` (flushed) as it ends;
+   rounded to a multiple of ``window``), the run directory (absent, empty or a vase run) and its protocol;
+3. load the problems (none is an error) and, with samples missing, the model's config and the tokenizer (no
+   weights): device, context window, every prompt rendered and measured, the cache against the memory; refuse a
+   changed protocol, data or weights. Steps 1-3 are :func:`plan`: it writes nothing (``run.py`` runs it for every
+   cell of a command line before Hydra starts);
+4. only then take the run directory's lock (one writer at a time), write ``protocol.json`` / ``config.yaml``, load the
+   weights, size the cache (capacity per row from the longest prompt still to decode; rows in flight from
+   ``generation.max_rows`` / ``generation.kv_memory``) and decode every missing sample with continuous batching,
+   writing each sample to ``samples.jsonl`` (flushed) as it ends;
 5. write ``metrics.json`` from ``samples.jsonl`` + ``throughput.jsonl`` (the source of truth) and mirror to W&B.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 from dataclasses import asdict, dataclass, replace
@@ -34,18 +37,24 @@ from vase.engine.memory import auto_dtype, plan_rows
 from vase.engine.sampling import SamplingConfig, sample_seeds
 from vase.engine.scores import score_dtype
 from vase.run.checks import check_protocol_n_protect, check_settings, parse_bytes
+from vase.run.preflight import check_cache, check_fields, check_model, load_problems, load_tokenizer, no_problems
 from vase.run.protocol import comparable, protocol_knobs, run_tag
 from vase.run.protocol import settings as protocol_settings
 from vase.run.records import ThroughputLog, compute_metrics, sample_row, write_manifest
 from vase.run.results import (
+    PROTOCOL,
     SAMPLES,
     THROUGHPUT,
-    append_jsonl,
     check_protocol,
     check_resolved,
+    check_run_dir,
+    lock_run_dir,
+    read_json,
     read_jsonl_tolerant,
+    read_samples,
     stable_hash,
     write_json,
+    write_sample,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,16 +65,20 @@ NON_PROTOCOL_GENERATION_KEYS = ("sync_every", "attn_backend", "batching", "max_r
 
 
 def build(node: Any, what: str) -> Any:
-    """``hydra.utils.instantiate`` that surfaces a constructor's ``ValueError`` as itself (one line, no wrapper)."""
+    """``hydra.utils.instantiate`` after :func:`vase.run.preflight.check_fields` (unknown keys and wrong types, one
+    line each), surfacing a constructor's ``ValueError`` as itself (one line, no wrapper)."""
     from hydra.errors import InstantiationException
 
+    check_fields(node, what)
     try:
         return instantiate(node)
     except InstantiationException as err:
         cause = err.__cause__
         if isinstance(cause, ValueError):
-            raise ValueError(str(cause)) from None
-        raise ValueError(f"{what}: cannot build it ({err})") from None
+            msg = " ".join(str(cause).split())
+            fix = "" if "; " in msg else f"; fix it (the settings of each {what}: conf/{what}/*.yaml)"
+            raise ValueError(msg + fix) from None
+        raise ValueError(f"{what}: cannot build it ({' '.join(str(cause or err).split())})") from None
 
 
 def resolve_budget(reference_tokens: int, ratio: float, window: int) -> int:
@@ -200,26 +213,83 @@ class Work:
     seeds: list[int]
 
 
-def run(cfg: DictConfig, progress: bool = True) -> dict:
-    """Run (or resume) one configuration; return its metrics. See the module docstring."""
+@dataclass
+class RunPlan:
+    """What a run will do, found without writing anything (:func:`plan`)."""
+
+    prep: Prepared
+    problems: list
+    data: dict
+    done_rows: list[dict]
+    work: list[Work]
+
+
+def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False) -> RunPlan:
+    """Every check of a run, in one pass that writes nothing (steps 1-3 of the module docstring).
+
+    Args:
+        machine: the run will happen on this machine: check the device and the memory here too (``run.py`` passes
+            ``False`` before submitting to SLURM, where the job checks them on its node).
+        cache: keep the loaded problems and tokenizer for the run that follows in this process (``run.py``).
+
+    Raises:
+        ValueError: one line naming the setting or file and the fix.
+    """
     prep = prepare(cfg)
     run_dir = prep.run_dir
-    problems = prep.task.load()  # a missing data file fails here, before anything is written
+    build(cfg.logger, "logger")  # its settings, checked now (it starts after the lock)
+    check_run_dir(run_dir, "run_dir" if cfg.run_dir else "results_dir")
+    key = stable_hash([type(prep.task).__qualname__, asdict(prep.task)], 16)
+    prep.task, problems = load_problems(prep.task, key, cache)
+    if not problems:
+        raise ValueError(no_problems(prep.task, cfg))
     data = {"data": prep.task.resolved_sources()}
     check_resolved(run_dir, data, write=False)  # refuse a resume on changed data (read-only)
-    done_rows = read_jsonl_tolerant(run_dir / SAMPLES)
+    done_rows = read_samples(run_dir / SAMPLES)
     done = {(r["problem_id"], r["sample"]) for r in done_rows}
     pending = [(p, [i for i in range(prep.n_samples) if (p.id, i) not in done]) for p in problems]
     pending = [(p, missing) for p, missing in pending if missing]
-    work = _measure(prep, pending) if pending else []
+    work: list[Work] = []
+    if pending:
+        setting = "task.max_length" if cfg.generation.max_length is None else "generation.max_length"
+        config = check_model(prep.model_spec, prep.max_length, setting, machine, cache)
+        work = _measure(prep, pending, load_tokenizer(prep.model_spec, cache))
+        spec, _ = _resolved_spec(prep, work)
+        check_cache(prep, spec, [(w.ids, w.missing) for w in work], config, setting, machine)
+        check_resolved(run_dir, {"model": prep.model_spec.resolve()}, write=False)  # refuse changed weights
+    check_protocol(run_dir, comparable(run_dir, _with_dtype(prep, work)), write=False)
+    return RunPlan(prep, problems, data, done_rows, work)
+
+
+def run(cfg: DictConfig, progress: bool = True) -> dict:
+    """Run (or resume) one configuration; return its metrics. See the module docstring."""
+    p = plan(cfg)
+    lock = lock_run_dir(p.prep.run_dir)  # one writer per run directory; released on any exit, kill -9 included
+    try:
+        return _execute(p, progress)
+    finally:
+        lock.release()
+
+
+def _execute(p: RunPlan, progress: bool) -> dict:
+    """Steps 4-5 of the module docstring, under the run directory's lock."""
+    prep, cfg, run_dir, problems = p.prep, p.prep.cfg, p.prep.run_dir, p.problems
+    # read again under the lock (a torn last line, left by a kill mid-write, is cut off): another run may have added
+    # samples since the plan
+    done_rows = read_samples(run_dir / SAMPLES, repair=True)
+    work = _still_to_do(p, done_rows)
     logger.info(
-        "run dir %s: %d problems, %d samples done, %d problems to decode", run_dir, len(problems), len(done), len(work)
+        "run dir %s: %d problems, %d samples done, %d problems to decode",
+        run_dir,
+        len(problems),
+        len({(r["problem_id"], r["sample"]) for r in done_rows}),
+        len(work),
     )
-    run_dir.mkdir(parents=True, exist_ok=True)
     check_protocol(run_dir, comparable(run_dir, _with_dtype(prep, work)))
-    check_resolved(run_dir, data)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    read_jsonl_tolerant(run_dir / SAMPLES, repair=True)  # a torn last line (killed mid-write) is cut off
+    check_resolved(run_dir, p.data)
+    config_file = run_dir / "config.yaml"
+    if work or not config_file.exists():  # the configuration of the last invocation that decoded samples
+        config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     read_jsonl_tolerant(run_dir / THROUGHPUT, repair=True)
 
     run_logger = build(cfg.logger, "logger")
@@ -250,9 +320,19 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     return metrics
 
 
-def _measure(prep: Prepared, pending) -> list[Work]:
+def _still_to_do(p: RunPlan, done_rows: list[dict]) -> list[Work]:
+    """The plan's work, measured again if ``done_rows`` (read under the lock) differ from the plan's."""
+    done = {(r["problem_id"], r["sample"]) for r in done_rows}
+    if done == {(r["problem_id"], r["sample"]) for r in p.done_rows}:
+        return p.work
+    pending = [(q, [i for i in range(p.prep.n_samples) if (q.id, i) not in done]) for q in p.problems]
+    pending = [(q, missing) for q, missing in pending if missing]
+    return _measure(p.prep, pending) if pending else []
+
+
+def _measure(prep: Prepared, pending, tokenizer=None) -> list[Work]:
     """Render and tokenize the prompts still to decode (tokenizer only); refuse a max_length no prompt fits."""
-    tokenizer = prep.model_spec.load_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else prep.model_spec.load_tokenizer()
     work = []
     for problem, missing in pending:
         prompt = prep.task.render(problem, tokenizer, enable_thinking=prep.thinking)
@@ -289,10 +369,15 @@ def _rows_guess(prep: Prepared, work: list[Work]) -> int:
 
 
 def _resolved_spec(prep: Prepared, work: list[Work]):
-    """The model spec with ``dtype=auto`` resolved, and why."""
+    """The model spec with ``dtype=auto`` resolved, and why (a resumed run keeps the dtype it started with)."""
     spec = prep.model_spec
     if spec.dtype != "auto":
         return spec, "model.dtype"
+    stored = prep.run_dir / PROTOCOL
+    if stored.exists():
+        dtype = read_json(stored).get("model", {}).get("dtype", "auto")
+        if dtype != "auto":
+            return replace(spec, dtype=dtype), f"auto: {dtype}, the dtype the run started with ({PROTOCOL})"
     dtype, reason = auto_dtype(spec.resolved_device(), _rows_guess(prep, work))
     return replace(spec, dtype=dtype), reason
 
@@ -300,9 +385,9 @@ def _resolved_spec(prep: Prepared, work: list[Work]):
 def _with_dtype(prep: Prepared, work: list[Work]) -> dict:
     """The protocol with the dtype the weights will really have (``auto`` resolved on this machine)."""
     if not work:  # nothing to decode: the weights never load, so the dtype is the one the run already used
-        stored = prep.run_dir / "protocol.json"
+        stored = prep.run_dir / PROTOCOL
         if prep.model_spec.dtype == "auto" and stored.exists():
-            dtype = json.loads(stored.read_text()).get("model", {}).get("dtype", "auto")
+            dtype = read_json(stored).get("model", {}).get("dtype", "auto")
             return {**prep.protocol, "model": {**prep.protocol["model"], "dtype": dtype}}
         return prep.protocol
     spec, _ = _resolved_spec(prep, work)
@@ -380,7 +465,7 @@ def _decode(prep: Prepared, work: list[Work], done_rows, run_dir: Path, run_logg
             for fin in dec.run(requests):
                 w = by_id[fin.key]
                 row = _grade(prep, w, fin, tokenizer, dec)
-                append_jsonl(run_dir / SAMPLES, [row])  # durable before the next sample
+                write_sample(run_dir, row)  # durable before the next sample
                 correct.append(row["correct"])
                 left[fin.key] -= 1
                 if recorder is not None and left[fin.key] == 0:
