@@ -569,7 +569,7 @@ def test_destructive_paths_leave_the_finished_samples_as_they_were(finished_run:
 
     # another protocol into the same directory (run_dir=, or the same directory by name)
     refused([*TINY_RUN, "limit=3", "seed=1", f"run_dir={run_dir}"], r"holds a run with a different protocol \(seed")
-    refused([*same, "generation.temperature=0.5"], r"different protocol \(generation.temperature: 1.0 -> 0.5\)")
+    refused([*same, "generation.temperature=0.5"], r"different protocol \(generation.temperature: 1.0 -> 0.5[;)]")
     # a second writer
     with lock_run_dir(run_dir):
         refused(same, "is being written by another run")

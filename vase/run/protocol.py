@@ -13,12 +13,11 @@ A run directory written before the preset existed has no ``protocol`` section: i
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vase.run.results import stable_hash
+from vase.run.results import read_json, stable_hash
 
 #: the ``protocol`` node's own settings under ``protocol=default`` (``conf/protocol/default.yaml``)
 DEFAULT = {"name": "default", "grader": "strict", "score_dtype": "float32"}
@@ -86,7 +85,7 @@ def comparable(run_dir: Path, protocol: dict) -> dict:
     section = protocol.get("protocol")
     if not stored.exists() or section is None:
         return protocol
-    old = json.loads(stored.read_text())
+    old = read_json(stored)  # a damaged file: one line naming it and the fix
     if "protocol" not in old and settings(section) == DEFAULT:
         return {k: v for k, v in protocol.items() if k != "protocol"}
     return protocol
