@@ -14,6 +14,7 @@ What must hold:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -408,3 +409,57 @@ def test_engine_options_are_recorded_only_when_set():
 def test_engine_options_are_validated(field, value, message):
     with pytest.raises(ValueError, match=message):
         RandomEviction(budget=32, window=8, **{field: value})
+
+
+# ---- the runner ------------------------------------------------------------------------------------------------------
+RUN = [
+    "model=tiny",
+    "task=gsm_symbolic",
+    "logger=none",
+    "limit=1",
+    "n_samples=2",
+    "budget=32",
+    "window=16",
+    "generation.max_length=200",
+    "progress=false",
+]
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def test_runner_refuses_keep_prompt_before_writing_anything(tmp_path):
+    from vase.run.runner import run
+
+    with pytest.raises(ValueError, match=r"^policy\.keep_prompt: a prompt of \d+ tokens plus window=16 leaves"):
+        run(_compose([*RUN, "policy=random_keep_prompt", f"results_dir={tmp_path}"]), progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_runner_records_the_declared_schedule(tmp_path):
+    """rkv_original end to end: its schedule is in the protocol, and each sample's held_tokens_end follows it."""
+    import json
+
+    from vase.run.results import read_jsonl_tolerant
+    from vase.run.runner import run
+
+    cfg = _compose([*RUN, "policy=rkv_original", "policy.evict_every=24", f"results_dir={tmp_path}"])
+    metrics = run(cfg, progress=False)
+    assert metrics["complete"] and metrics["evictions"] > 0
+    run_dir = Path(metrics["run_dir"])
+    policy = json.loads((run_dir / "protocol.json").read_text())["policy"]
+    assert (policy["name"], policy["window"], policy["evict_every"], policy["compress_prefill"]) == (
+        "rkv_original",
+        8,
+        24,
+        True,
+    )
+    rkv = RKVOriginal(budget=32, evict_every=24)
+    for row in read_jsonl_tolerant(run_dir / "samples.jsonl"):
+        p, n = row["prompt_tokens"], row["output_tokens"]
+        assert row["held_tokens_end"] == rkv.held_after(p, n - 1) + 1 <= 32 + 24

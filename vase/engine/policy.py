@@ -49,10 +49,12 @@ class EvictionInputs:
     """What the engine hands an eviction policy at one eviction event of one layer.
 
     Attributes:
-        keys: ``(B, H, N, D)`` post-RoPE keys of the candidates (every held token but the ``window`` most recent).
+        keys: ``(B, H, N, D)`` post-RoPE keys of the candidates (every held token but the ``window`` most recent, and
+            but the prompt with ``keep_prompt``).
         values: ``(B, H, N, D)`` values of the candidates.
         positions: ``(B, H, N)`` int64 absolute token positions of the candidates (0 = first prompt token).
-        n_keep: how many candidates to keep per (sequence, KV head): ``budget - window``.
+        n_keep: how many candidates to keep per (sequence, KV head): ``budget - window`` (``- P`` with
+            ``keep_prompt``, ``P`` the rows' prompt length).
         layer_idx: index of the layer.
         scaling: softmax scale of the model's attention (usually ``D ** -0.5``).
         generators: one seeded ``torch.Generator`` per row; draw through :meth:`rand` / :meth:`randn` so that a row's
