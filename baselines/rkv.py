@@ -9,6 +9,14 @@ row means are used, so :func:`redundancy_score` gets the same numbers in ``O(N·
 the windowed attention score stays ``O(Hq·W·N·D)``.
 
 λ = 0.5 as in the VaSE paper (the R-KV paper used 0.1). Sinks: none by default, as the authors' ``attn_rkv`` mode.
+
+This is **VaSE's version** of R-KV (the authors' ``attn_rkv`` mode in terarachang/VaSE), the one the VaSE paper's
+tables report. The original (Zefan-Cai/R-KV) is ``baselines/rkv_original.py`` (``policy=rkv_original``); it differs
+in: the attention (max over a group's query heads before the softmax, then a max-pool of kernel 7, where VaSE's
+averages the heads' softmaxes and average-pools with kernel 5), the redundancy (over every held key, the recent window
+included, with each key's newest similar key (cosine > 0.5) spared, where VaSE's averages over the candidates only),
+λ (0.1 in the R-KV paper, 0.07 in its code), its window (8), and its schedule (every 128 steps, and at the prefill,
+where VaSE's evicts every ``window`` steps and never at the prefill).
 """
 
 from __future__ import annotations

@@ -73,6 +73,7 @@ def make_inputs(
         generators=[torch.Generator().manual_seed(s) for s in seeds],
         state={} if state is None else state,
         queries=torch.randn(b, hq, WINDOW, DIM, generator=g),
+        window_keys=torch.randn(b, h, WINDOW, DIM, generator=g),
     )
 
 
@@ -88,6 +89,7 @@ def row(inputs: EvictionInputs, r: int, seed: int) -> EvictionInputs:
         generators=[torch.Generator().manual_seed(seed)],
         state={},
         queries=inputs.queries[r : r + 1],
+        window_keys=inputs.window_keys[r : r + 1],
     )
 
 
@@ -128,6 +130,9 @@ def test_every_config_instantiates_with_its_name():
         "vase_dkv",
         "evict_large_value",
         "quest",
+        "rkv_original",
+        "curdkv_original",
+        "random_keep_prompt",
     } <= set(ALL_CONFIGS)
 
 
@@ -378,6 +383,13 @@ def test_evict_large_value_keeps_exactly_the_smallest(stat):
         ("evict_large_value", {"value_stat": "l1"}, "policy.value_stat"),
         ("quest", {"page_size": 0}, "policy.page_size: must be an integer >= 1"),
         ("quest", {"group_reduce": "mean"}, "policy.group_reduce"),
+        ("rkv_original", {"pool_kernel": 4}, "policy.pool_kernel: must be an odd integer >= 1"),
+        ("rkv_original", {"rkv_lambda": -0.1}, "policy.rkv_lambda: must be in [0, 1]"),
+        ("rkv_original", {"similarity_threshold": 2}, "policy.similarity_threshold"),
+        ("rkv_original", {"evict_every": 0}, "policy.evict_every: must be an integer >= 1 or null"),
+        ("curdkv_original", {"local_window": -1}, "policy.local_window: must be an integer >= 0"),
+        ("curdkv_original", {"leverage": "kv"}, "policy.leverage: must be one of key, value, kv_avg, kv_product"),
+        ("random_keep_prompt", {"keep_prompt": "yes"}, "policy.keep_prompt: must be true or false"),
     ],
 )
 def test_validation_names_the_field(name, overrides, message):

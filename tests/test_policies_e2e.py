@@ -23,6 +23,8 @@ SAMPLING = SamplingConfig(temperature=0.6, top_p=0.95, top_k=20)
 def load_policy(name: str, budget: int, window: int):
     cfg = OmegaConf.load(CONF / f"{name}.yaml")
     cfg.budget, cfg.window = budget, window
+    if cfg.get("evict_every") is not None:  # a declared period (R-KV's 128) scales with the test's small budget
+        cfg.evict_every = 2 * window
     return instantiate(cfg)
 
 
@@ -37,6 +39,10 @@ def tiny():
 
 def run_and_check(model, prompt: list[int], name: str, budget: int, window: int, new_tokens: int):
     policy = load_policy(name, budget, window)
+    if policy.kind == "eviction" and policy.keep_prompt and len(prompt) + window >= budget:
+        with pytest.raises(ValueError, match="policy.keep_prompt"):  # refused before decoding
+            generate(model, prompt, policy, max_new_tokens=new_tokens)
+        return None
     caches = []
     out = generate(
         model,
@@ -54,12 +60,16 @@ def run_and_check(model, prompt: list[int], name: str, budget: int, window: int,
     stats = out.stats
     if policy.kind == "eviction":
         assert stats["evictions"] > 0
-        assert stats["capacity"] == max(len(prompt), budget) + window
-        # Sinks survive every eviction, in every layer, row and KV head.
+        every, p = policy.eviction_period, len(prompt)
+        want = max(p, budget + every) if policy.compress_prefill else max(p, budget) + every
+        assert stats["capacity"] == min(p + new_tokens, want)
+        # Sinks survive every eviction, in every layer, row and KV head; a kept prompt stays whole, in place.
         for layer in caches[0].layers:
             held = layer.positions[: layer.n_rows, :, : layer.length]
             for s in range(policy.sinks):
                 assert (held == s).any(dim=-1).all(), f"{name}: sink {s} evicted in layer {layer.layer_idx}"
+            if policy.keep_prompt:
+                assert torch.equal(held[..., :p], torch.arange(p).expand(*held.shape[:2], p)), name
     elif policy.kind == "selection":
         assert stats["evictions"] == 0
         assert stats["attended_tokens"] is not None and stats["attended_tokens"] < stats["held_tokens"]

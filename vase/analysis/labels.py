@@ -54,6 +54,9 @@ POLICY_LABELS = {
     "evict_large_value": "Evict large values",
     "snapkv_sample": "SnapKV + sampling",
     "snapkv_protect": "SnapKV + protection",
+    "rkv_original": "R-KV (original)",
+    "curdkv_original": "CurDKV (kvpress)",
+    "random_keep_prompt": "Random, prompt kept",
 }
 # Table order: the full cache first, then the paper's main-table order, then the ablations.
 POLICY_ORDER = (
@@ -69,6 +72,9 @@ POLICY_ORDER = (
     "evict_large_value",
     "snapkv_sample",
     "snapkv_protect",
+    "rkv_original",
+    "curdkv_original",
+    "random_keep_prompt",
 )
 # The GSM8K pilot bar chart's order (method.md §5).
 PILOT_ORDER = (

@@ -4,7 +4,8 @@ One :class:`VaseCache` serves a whole decode (many problems, continuous batching
 K and V storage of shape ``(rows, num_key_value_heads, capacity, head_dim)`` (never repeated per query head), zero
 filled, with
 
-* ``capacity = min(P + max_new_tokens, max(P, budget) + window)`` for eviction policies,
+* ``capacity = min(P + max_new_tokens, max(P, budget) + E)`` for eviction policies (``E`` the eviction period,
+  ``window`` by default; ``max(P, budget + E)`` with ``compress_prefill``),
 * ``capacity = P + max_new_tokens`` for the full cache and selection policies,
 
 where ``P`` is the longest prompt the cache will hold (:func:`cache_capacity`). Beside it: the absolute position of
@@ -23,6 +24,18 @@ The eviction scaffold (``../shared/docs/method.md`` §2), per row: after a decod
 recent; the policy picks ``budget - window`` of them per KV head; the engine gathers them to the front of the row's
 storage and moves the recent window behind them, in place. Rows that evict at the same step with the same held length
 (and the same kind of policy state) are handed to the policy in one call.
+
+Policy-declared variants of the scaffold (:class:`~vase.engine.policy.EvictionPolicy`):
+
+* ``evict_every = E``: the trigger is "held > budget and the row's sequence length (prompt + generated, its next
+  position) is a multiple of ``E``". With ``E = window`` (the default) this is the scaffold above: every eviction
+  removes a multiple of ``window`` tokens (``budget`` is one), so the held count and the sequence length agree modulo
+  ``window``. R-KV's original sets ``E = 128`` (its buffer).
+* ``compress_prefill``: a prompt longer than ``budget`` is evicted down to ``budget`` right after its prefill (its
+  rows' queries in the ring are the prompt's last ``window``); the prefill itself attended to the whole prompt.
+* ``keep_prompt``: row ``r``'s prompt (``prompt_lens[r]`` tokens) stays in slots ``[0, P)``; the candidates are
+  ``[P, held - window)``, of which the policy keeps ``budget - window - P``. Rows evict together only with the same
+  held length and the same prompt length.
 """
 
 from __future__ import annotations
@@ -80,6 +93,7 @@ class VaseCache(Cache):
         self.n_live = 0
         self.lengths = [0] * rows  # held tokens per row (host); every layer holds the same count
         self.next_pos = [0] * rows  # absolute position of each row's next token (true positions)
+        self.prompt_lens = [0] * rows  # prompt tokens of each row (pinned in its first slots with keep_prompt)
         self.lengths_t = torch.zeros(rows, dtype=torch.long, device=device)
         self.pos_t = torch.zeros(rows, dtype=torch.long, device=device)
         self.row_index = torch.arange(rows, device=device)
@@ -110,14 +124,20 @@ class VaseCache(Cache):
         self.prefilling = list(slots)
 
     def end_prefill(self, prompt_len: int) -> None:
-        """The prompt's forward is done: its rows hold ``prompt_len`` tokens."""
-        for r in self.prefilling:
+        """The prompt's forward is done: its rows hold ``prompt_len`` tokens (``budget`` if the policy compresses a
+        longer prompt at the prefill)."""
+        slots = self.prefilling
+        for r in slots:
             self.lengths[r] = prompt_len
             self.next_pos[r] = prompt_len
-        idx = torch.tensor(self.prefilling, device=self.lengths_t.device)
+            self.prompt_lens[r] = prompt_len
+        idx = torch.tensor(slots, device=self.lengths_t.device)
         self.lengths_t[idx] = prompt_len
         self.pos_t[idx] = prompt_len
         self.prefilling = None
+        p = self.policy
+        if p.kind == "eviction" and p.compress_prefill and prompt_len > p.budget:
+            self._evict(slots)
 
     def prepare_step(self, n_live: int) -> None:
         """Before a decode forward over rows ``[0, n_live)``: one token is appended to each."""
@@ -164,25 +184,31 @@ class VaseCache(Cache):
         return mask
 
     def due_rows(self) -> list[int]:
-        """Live rows whose eviction trigger fires now (held > budget and held % window == 0)."""
+        """Live rows whose eviction trigger fires now: held > budget and the sequence length is a multiple of the
+        policy's eviction period (``window`` by default, where this is "held % window == 0"; see the module doc)."""
         p = self.policy
         if p.kind != "eviction":
             return []
-        return [r for r in range(self.n_live) if self.lengths[r] > p.budget and self.lengths[r] % p.window == 0]
+        every = p.eviction_period
+        return [r for r in range(self.n_live) if self.lengths[r] > p.budget and self.next_pos[r] % every == 0]
 
     def evict_due(self) -> list[int]:
         """Run the eviction trigger on every row after a decode step; return the rows that evicted."""
         due = self.due_rows()
         if not due:
             return due
-        for layer in self.layers:
-            layer.evict_rows(due)
-        budget = self.policy.budget
-        for r in due:
-            self.lengths[r] = budget
-        idx = torch.tensor(due, device=self.lengths_t.device)
-        self.lengths_t[idx] = budget
+        self._evict(due)
         return due
+
+    def _evict(self, rows: list[int]) -> None:
+        """Evict ``rows`` on every layer: they then hold ``budget`` tokens."""
+        for layer in self.layers:
+            layer.evict_rows(rows)
+        budget = self.policy.budget
+        for r in rows:
+            self.lengths[r] = budget
+        idx = torch.tensor(rows, device=self.lengths_t.device)
+        self.lengths_t[idx] = budget
 
     def record_eviction(self, slots: Sequence[int], seconds: float) -> None:
         share = seconds / len(slots)
@@ -207,6 +233,7 @@ class VaseCache(Cache):
         for lst in (
             self.lengths,
             self.next_pos,
+            self.prompt_lens,
             self.evict_generators,
             self.row_ids,
             self.row_evictions,

@@ -278,6 +278,7 @@ class Decoder:
                 raise ValueError(f"prompt: request {req.key!r} has an empty prompt")
             limit = self.limit_for(prompt.numel(), req.max_new_tokens)
             if limit >= 1:
+                self.policy.check_prompt(prompt.numel())  # e.g. keep_prompt: the prompt must fit the budget
                 need = cache_capacity(self.policy, prompt.numel(), limit)
                 if need > self.geometry.capacity:
                     raise ValueError(

@@ -1,8 +1,9 @@
 """Static shapes of the cache: per-row capacity, bytes per token and per row (no tensors, no transformers).
 
-``capacity = min(P + max_new_tokens, max(P, budget) + window)`` token slots per (layer, row, KV head) for eviction
-policies and ``P + max_new_tokens`` for the full cache and selection policies, ``P`` being the longest prompt the
-cache will hold (method.md §2: nothing grows during decoding).
+``capacity = min(P + max_new_tokens, max(P, budget) + E)`` token slots per (layer, row, KV head) for eviction
+policies (``E`` = the policy's eviction period, ``window`` by default; ``max(P, budget + E)`` when the prompt is
+compressed at the prefill) and ``P + max_new_tokens`` for the full cache and selection policies, ``P`` being the
+longest prompt the cache will hold (method.md §2: nothing grows during decoding).
 """
 
 from __future__ import annotations
@@ -64,11 +65,19 @@ class CacheGeometry:
 
 
 def cache_capacity(policy: Policy, prompt_len: int, max_new_tokens: int) -> int:
-    """Token slots per (layer, row, KV head) that a sequence of ``prompt_len + max_new_tokens`` can ever need."""
+    """Token slots per (layer, row, KV head) that a sequence of ``prompt_len + max_new_tokens`` can ever need.
+
+    Eviction: a row evicts, at the latest, ``E`` steps after it first holds more than ``budget`` (its sequence length
+    passes a multiple of ``E``), so it never holds more than ``max(P, budget) + E`` after a step's append; with
+    ``compress_prefill`` it starts from ``min(P, budget)``, and the prompt itself needs ``P`` slots at the prefill.
+    """
     full = prompt_len + max_new_tokens
     if policy.kind != "eviction":
         return full
-    return min(full, max(prompt_len, policy.budget) + policy.window)
+    every = policy.eviction_period
+    if policy.compress_prefill:
+        return min(full, max(prompt_len, policy.budget + every))
+    return min(full, max(prompt_len, policy.budget) + every)
 
 
 def aux_bytes_per_row(geometry: CacheGeometry, policy: Policy) -> int:

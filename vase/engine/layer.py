@@ -227,15 +227,21 @@ class VaseLayer(CacheLayerMixin):
 
     # ---- eviction ------------------------------------------------------------------------------------------
     def evict_rows(self, slots: list[int]) -> None:
-        """Evict rows ``slots`` (each due: held > budget, held % window == 0): they then hold ``budget`` tokens."""
-        owner = self.owner
-        for group in self._groups(slots, key=lambda r: owner.lengths[r]):
-            self._evict_group(group, owner.lengths[group[0]])
+        """Evict rows ``slots`` (each due, see :meth:`VaseCache.due_rows`): they then hold ``budget`` tokens.
 
-    def _evict_group(self, slots: list[int], length: int) -> None:
+        Rows are handed to the policy together when they hold the same length and pin the same number of leading
+        slots (their prompt with ``keep_prompt``, else none).
+        """
+        owner = self.owner
+        pinned = (lambda r: owner.prompt_lens[r]) if owner.policy.keep_prompt else (lambda r: 0)
+        for group in self._groups(slots, key=lambda r: (owner.lengths[r], pinned(r))):
+            self._evict_group(group, owner.lengths[group[0]], pinned(group[0]))
+
+    def _evict_group(self, slots: list[int], length: int, pinned: int = 0) -> None:
+        """Evict rows ``slots``, each holding ``length`` tokens of which the first ``pinned`` are never candidates."""
         owner, policy = self.owner, self.owner.policy
         window = policy.window
-        n_cand, n_keep = length - window, policy.budget - window
+        n_cand, n_keep = length - window - pinned, policy.budget - window - pinned
         sync = owner.sync_timing and self.keys.is_cuda
         if sync:
             torch.cuda.synchronize(self.keys.device)
@@ -251,10 +257,11 @@ class VaseLayer(CacheLayerMixin):
             positions = self.positions.index_select(0, idx)
         queries = None if self.queries is None else self.queries[idx]
         state = self._state_for(slots, idx)
+        cand = slice(pinned, pinned + n_cand)
         inputs = EvictionInputs(
-            keys=keys[:, :, :n_cand],
-            values=values[:, :, :n_cand],
-            positions=positions[:, :, :n_cand],
+            keys=keys[:, :, cand],
+            values=values[:, :, cand],
+            positions=positions[:, :, cand],
             n_keep=n_keep,
             layer_idx=self.layer_idx,
             scaling=owner.scaling,
@@ -262,22 +269,27 @@ class VaseLayer(CacheLayerMixin):
             state=state,
             queries=queries,
             score_dtype=owner.score_dtype,
+            window_keys=keys[:, :, length - window : length],
         )
         keep = policy.keep(inputs)
         if owner.check_policy_output:
             _check_keep(keep, rows, keys.shape[1], n_keep, n_cand, policy.name)
         self._put_state(slots, idx, state)
-        flat = _flat_index(keep, keys.shape[2])
+        flat = _flat_index(keep + pinned if pinned else keep, keys.shape[2])
         kept_k = _take_tokens(keys, flat, n_keep)
         kept_v = _take_tokens(values, flat, n_keep)
         kept_p = positions.reshape(-1).index_select(0, flat).view(rows, -1, n_keep)
-        keys[:, :, :n_keep] = kept_k
-        values[:, :, :n_keep] = kept_v
-        positions[:, :, :n_keep] = kept_p
-        # The recent window moves from [n_cand, length) to [n_keep, budget): disjoint since n_cand - n_keep >= window.
-        keys[:, :, n_keep : policy.budget] = keys[:, :, n_cand:length]
-        values[:, :, n_keep : policy.budget] = values[:, :, n_cand:length]
-        positions[:, :, n_keep : policy.budget] = positions[:, :, n_cand:length]
+        kept = slice(pinned, pinned + n_keep)
+        keys[:, :, kept] = kept_k
+        values[:, :, kept] = kept_v
+        positions[:, :, kept] = kept_p
+        # The recent window moves from [length - window, length) to [budget - window, budget). The ranges overlap when
+        # the row evicts fewer than ``window`` tokens (an ``evict_every`` below the window, or after a prefill
+        # compression): the source is then copied first.
+        src, dst = slice(length - window, length), slice(policy.budget - window, policy.budget)
+        overlap = length - policy.budget < window
+        for buf in (keys, values, positions):
+            buf[:, :, dst] = buf[:, :, src].clone() if overlap else buf[:, :, src]
         if span is None:
             self.keys.index_copy_(0, idx, keys)
             self.values.index_copy_(0, idx, values)

@@ -15,6 +15,12 @@ treat rows independently (a row's answer may depend only on that row's tensors, 
 
 Shapes use ``B`` = rows in the call, ``H`` = KV heads, ``Hq`` = query heads, ``N`` = candidates, ``D`` = head dim.
 
+Schedule (eviction policies; fields of :class:`EvictionPolicy`, so a run records them): a row evicts after a decode
+step when it holds more than ``budget`` tokens and its sequence length (prompt + generated tokens) is a multiple of
+``evict_every`` (default ``window``: VaSE's scaffold, where this is the same as "the held count is a multiple of
+``window``"); ``compress_prefill`` also evicts right after the prefill when the prompt is longer than ``budget``
+(R-KV). ``keep_prompt`` pins the prompt: it is never a candidate, and the budget counts it.
+
 Policy state: ``inputs.state`` is a dict of row-first tensors ``(B, ...)`` that the engine keeps per row and per layer
 between calls (e.g. CurDKV's sketch). A call's rows all have the same keys in their state: an empty dict means these
 rows have never stored anything on this layer (new sequences). Put or replace tensors in it; the engine stores each
@@ -28,6 +34,10 @@ from typing import ClassVar
 
 import torch
 
+#: Options of every eviction policy that the engine implements (not the policy's rule), with their base defaults.
+ENGINE_OPTIONS = {"keep_prompt": False, "evict_every": None, "compress_prefill": False}
+_NO_DEFAULT = object()
+
 
 def _check(cond: bool, setting: str, msg: str) -> None:
     if not cond:
@@ -39,10 +49,12 @@ class EvictionInputs:
     """What the engine hands an eviction policy at one eviction event of one layer.
 
     Attributes:
-        keys: ``(B, H, N, D)`` post-RoPE keys of the candidates (every held token but the ``window`` most recent).
+        keys: ``(B, H, N, D)`` post-RoPE keys of the candidates (every held token but the ``window`` most recent, and
+            but the prompt with ``keep_prompt``).
         values: ``(B, H, N, D)`` values of the candidates.
         positions: ``(B, H, N)`` int64 absolute token positions of the candidates (0 = first prompt token).
-        n_keep: how many candidates to keep per (sequence, KV head): ``budget - window``.
+        n_keep: how many candidates to keep per (sequence, KV head): ``budget - window`` (``- P`` with
+            ``keep_prompt``, ``P`` the rows' prompt length).
         layer_idx: index of the layer.
         scaling: softmax scale of the model's attention (usually ``D ** -0.5``).
         generators: one seeded ``torch.Generator`` per row; draw through :meth:`rand` / :meth:`randn` so that a row's
@@ -53,6 +65,8 @@ class EvictionInputs:
         score_dtype: the dtype of the policy's score math (``protocol.score_dtype``, set by the engine): pass it as
             ``dtype=`` to every :mod:`vase.engine.scores` function. float32 by default; bfloat16 rounds as the
             authors' code (docs/protocol.md).
+        window_keys: ``(B, H, window, D)`` post-RoPE keys of the recent window (never evicted; for scores that compare
+            the candidates with every held key, as the original R-KV's redundancy), or ``None``.
     """
 
     keys: torch.Tensor
@@ -65,6 +79,7 @@ class EvictionInputs:
     state: dict = field(default_factory=dict)
     queries: torch.Tensor | None = None
     score_dtype: torch.dtype = torch.float32
+    window_keys: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -122,7 +137,8 @@ class Policy:
     Attributes:
         budget: tokens kept per (layer, KV head, sequence) after an eviction (``B``); the cache then oscillates
             between ``budget`` and ``budget + window``. Must be a multiple of ``window``.
-        window: recent window ``W``: never evicted, and the number of decode steps between evictions.
+        window: recent window ``W``: never evicted, and (unless an eviction policy sets ``evict_every``) the number of
+            decode steps between evictions.
     """
 
     budget: int = 0
@@ -158,14 +174,31 @@ class Policy:
 
     @property
     def n_keep(self) -> int:
-        """Candidates kept at each eviction: ``budget - window``."""
+        """Candidates kept at each eviction: ``budget - window`` (less the prompt's ``P`` with ``keep_prompt``)."""
         return self.budget - self.window
 
     def describe(self) -> dict:
-        """The policy's name, kind and hyper-parameters (recorded with every run)."""
-        from dataclasses import asdict
+        """The policy's name, kind and hyper-parameters (recorded with every run).
 
-        return {"name": self.name, "kind": self.kind, **asdict(self)}
+        The engine-level options (:data:`ENGINE_OPTIONS`) are left out while they hold the base default and the
+        policy's class does not change that default, so adding them left every earlier run's protocol (and run
+        directory hash) unchanged; a policy whose class or config sets them records them.
+        """
+        from dataclasses import asdict, fields
+
+        out = {"name": self.name, "kind": self.kind, **asdict(self)}
+        for f in fields(self):
+            base = ENGINE_OPTIONS.get(f.name, _NO_DEFAULT)
+            if base is not _NO_DEFAULT and f.default == base and out[f.name] == base:
+                del out[f.name]
+        return out
+
+    def check_prompt(self, prompt_len: int) -> None:
+        """Raise one ``ValueError`` if this policy cannot decode a prompt of ``prompt_len`` tokens (default: it can)."""
+
+    def held_after(self, prompt_len: int, steps: int) -> int:
+        """Tokens a row holds after its prefill and ``steps`` decode steps (appends) under this policy's schedule."""
+        return prompt_len + steps
 
 
 @dataclass
@@ -175,9 +208,21 @@ class EvictionPolicy(Policy):
     Attributes:
         sinks: the first ``sinks`` tokens of the sequence (by absolute position) that the policy never evicts
             (0 = no sink protection).
+        keep_prompt: pin the prompt (engine-level, any policy): a row's ``P`` prompt tokens stay in its first ``P``
+            slots and are never candidates; the budget counts them, so :meth:`keep` chooses
+            ``budget - window - P`` of the generated candidates. A prompt that leaves no room
+            (:meth:`min_keep`) is refused before decoding (:meth:`check_prompt`).
+        evict_every: the schedule's period ``E`` (``None`` = ``window``, VaSE's scaffold): a row evicts after a decode
+            step when it holds more than ``budget`` tokens and its sequence length (prompt + generated) is a multiple
+            of ``E``. It then holds ``budget``; between evictions at most ``budget + E``.
+        compress_prefill: also evict right after the prefill when the prompt is longer than ``budget`` (R-KV); the
+            row then starts decoding with ``budget`` tokens (true positions kept).
     """
 
     sinks: int = 4
+    keep_prompt: bool = False
+    evict_every: int | None = None
+    compress_prefill: bool = False
     kind: ClassVar[str] = "eviction"
 
     def validate(self) -> None:
@@ -192,6 +237,55 @@ class EvictionPolicy(Policy):
             "policy.sinks",
             f"must be <= budget - window = {self.n_keep}, got {self.sinks}",
         )
+        for name in ("keep_prompt", "compress_prefill"):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), f"policy.{name}", f"must be true or false, got {value!r}")
+        every = self.evict_every
+        _check(
+            every is None or (isinstance(every, int) and not isinstance(every, bool) and every >= 1),
+            "policy.evict_every",
+            f"must be an integer >= 1 or null (= window), got {every!r}",
+        )
+
+    @property
+    def eviction_period(self) -> int:
+        """``E``: ``evict_every``, or ``window`` when unset."""
+        return self.window if self.evict_every is None else self.evict_every
+
+    def min_keep(self, prompt_len: int) -> int:
+        """Candidates :meth:`keep` needs room for when the prompt (``prompt_len`` tokens) is pinned: at least 1, and
+        the sinks the prompt does not cover. Policies that protect more (value protection) raise it."""
+        return max(1, self.sinks - prompt_len)
+
+    def check_prompt(self, prompt_len: int) -> None:
+        """With ``keep_prompt``: refuse a prompt that, with the window, leaves fewer than :meth:`min_keep` slots.
+
+        A per-sample fallback (evicting that prompt) would mix two methods in one number, so the run is refused
+        instead, before anything is decoded.
+        """
+        if not self.keep_prompt:
+            return
+        room, need = self.budget - self.window - prompt_len, self.min_keep(prompt_len)
+        _check(
+            room >= need,
+            "policy.keep_prompt",
+            f"a prompt of {prompt_len} tokens plus window={self.window} leaves {room} of budget={self.budget} for "
+            f"generated tokens, {self.name} needs >= {need}; raise budget to >= {prompt_len + self.window + need} "
+            "or set policy.keep_prompt=false",
+        )
+
+    def held_after(self, prompt_len: int, steps: int) -> int:
+        """Tokens a row holds after its prefill and ``steps`` decode steps (the schedule above, step by step)."""
+        budget, every = self.budget, self.eviction_period
+        held, length = prompt_len, prompt_len
+        if self.compress_prefill and held > budget:
+            held = budget
+        for _ in range(steps):
+            held += 1
+            length += 1
+            if held > budget and length % every == 0:
+                held = budget
+        return held
 
     def keep(self, inputs: EvictionInputs) -> torch.Tensor:
         """Choose the candidates to keep.

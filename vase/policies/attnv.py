@@ -118,6 +118,10 @@ class WindowedAttentionEviction(EvictionPolicy):
         """Protected slots per (row, KV head): ``n_protect`` resolved, and at least ``sinks``."""
         return max(resolve_n_protect(self.n_protect, self.budget), self.sinks)
 
+    def min_keep(self, prompt_len: int) -> int:
+        """With ``keep_prompt``, the protected slots are taken among the generated candidates: room for all of them."""
+        return max(super().min_keep(prompt_len), self.protect_count)
+
     def score(self, inputs: EvictionInputs) -> torch.Tensor:
         """``(B, H, N)`` windowed attention score of the candidates (non-negative), in ``inputs.score_dtype``."""
         if inputs.queries is None:

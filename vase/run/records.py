@@ -84,16 +84,24 @@ def sample_row(
     max_length: int,
     grader: str = "strict",
     rules: tuple[str, ...] = (),
+    policy=None,
 ) -> dict:
     """One line of ``samples.jsonl`` for a :class:`vase.engine.decode.Finished` sample and its grade.
 
     ``grade`` (a :class:`tasks.base.Grade`, ``None`` when the sample was not decoded) is read under ``grader``; with
     several ``rules`` (the task's ``grader_rules``) every rule's answer and verdict is stored too.
+    ``policy`` (when given) supplies the eviction schedule for ``held_tokens_end`` (its ``held_after``: a period other
+    than the window, prefill compression); without it, VaSE's scaffold from ``budget`` and ``window``.
     """
     reason = finished.finish_reason
     p, n_tok = finished.prompt_len, len(finished.tokens)
     total = p + n_tok
-    held = held_at_end(total, p, budget, window, evicts) if n_tok else total
+    if not n_tok:
+        held = total
+    elif policy is not None:
+        held = policy.held_after(p, n_tok - 1) + 1  # the last token is sampled, never appended
+    else:
+        held = held_at_end(total, p, budget, window, evicts)
     st = finished.stats
     error = None
     if reason == "nonfinite":

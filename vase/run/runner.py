@@ -346,6 +346,8 @@ def _measure(prep: Prepared, pending, tokenizer=None) -> list[Work]:
             f"{shortest} tokens); raise generation.max_length"
         )
     for w in work:
+        if len(w.ids) < prep.max_length:
+            prep.policy.check_prompt(len(w.ids))  # e.g. keep_prompt: the prompt and the window must fit the budget
         if len(w.ids) >= prep.max_length:
             logger.warning(
                 "problem %s: its prompt has %d tokens >= generation.max_length=%d; its samples are recorded as "
@@ -511,4 +513,5 @@ def _grade(prep: Prepared, w: Work, fin, tokenizer, dec: Decoder) -> dict:
         max_length=prep.max_length,
         grader=prep.grader,
         rules=prep.task.grader_rules,
+        policy=prep.policy,
     )
