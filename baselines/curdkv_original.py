@@ -82,7 +82,9 @@ class CurDKVOriginal(EvictionPolicy):
         sketch = None
         if self.random_projection:
             sketch = inputs.randn(inputs.shape[3], KVPRESS_RANK) / math.sqrt(KVPRESS_RANK)  # (B, D, r)
-        return kvpress_cur_score(inputs.keys, inputs.values, self.local_window, self.leverage, sketch)
+        return kvpress_cur_score(
+            inputs.keys, inputs.values, self.local_window, self.leverage, sketch, dtype=inputs.score_dtype
+        )
 
     def keep(self, inputs: EvictionInputs) -> torch.Tensor:
         """``(B, H, n_keep)`` int64: the sinks, then by decreasing score."""

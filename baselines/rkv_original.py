@@ -122,6 +122,7 @@ class RKVOriginal(EvictionPolicy):
             mix_lambda=self.rkv_lambda,
             pool_kernel=self.pool_kernel,
             threshold=self.similarity_threshold,
+            dtype=inputs.score_dtype,
         )
 
     def keep(self, inputs: EvictionInputs) -> torch.Tensor:
