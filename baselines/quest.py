@@ -1,14 +1,28 @@
-"""Quest: query-aware page selection over the full cache (a selection policy: no memory saving).
+"""Quest as published: query-aware page selection over the full cache (a selection policy: no memory saving).
 
-Keys are grouped into pages of ``page_size`` tokens in storage order (the full cache never reorders). Per decode step,
-layer and KV head, each page is scored by the upper bound ``Σ_d max(q_d·kmax_d, q_d·kmin_d)`` of ``q·k`` over its
-tokens (:func:`vase.engine.scores.page_upper_bound`); the step attends to the ``budget // page_size`` best
-complete pages plus the current (last, possibly partial) page, i.e. at most ``budget`` tokens plus the current page.
-With GQA the
-group's query heads are combined by ``group_reduce`` (default ``max``: a page ranks by the most optimistic head).
+What mit-han-lab/Quest does (read at commit 01c1623), and this policy with its defaults:
 
-Every token stays in memory: the engine reports ``attended_tokens`` (mean per step, row, KV head and layer) next to
-the KV bytes, so Quest is compared "at the same sparsity", never as a memory saving.
+* Keys are grouped into pages of ``page_size`` tokens in storage order (the full cache never reorders), summarised by
+  their element-wise ``kmax``/``kmin``. Per decode step, layer and **query head**, a page is scored by the upper bound
+  ``Σ_d max(q_d·kmax_d, q_d·kmin_d)`` of ``q·k`` over its tokens (:func:`vase.engine.scores.page_upper_bound`).
+  Quest's kernels are MHA-only (``InferenceController`` uses ``num_heads`` for the KV heads); its evaluation code
+  (``evaluation/quest_attention.py``) repeats the KV heads (``repeat_kv``) and selects per query head, so with GQA
+  each query head selects its own pages.
+* The page budget counts the current page: ``budget // page_size`` pages in all (``quest_init``: ``page_budget =
+  token_budget // page_size``, "real page budget including the last page"). The current (last, possibly partial)
+  page is always attended and never scored; the other ``budget // page_size - 1`` pages are the best complete pages
+  by the bound (``decode_estimate`` and ``decode_topk`` exclude the last page; ``decode_sparse_attn`` adds it). A
+  row holding at most ``budget // page_size`` pages attends to everything (``need_estimate``).
+* The first ``dense_layers = 2`` layers attend to every token (``_quest_skip_layer = 2``).
+
+``group_reduce`` (``max`` or ``sum``) is the grouped variant this harness used before: one page set per KV head,
+the group's query heads' bounds combined. It is kept as an option because it is what a GQA kernel can exploit (every
+selected page is read once per KV head, as SeerAttention-R's per-KV-head blocks are), whereas per-query-head pages
+can make a KV head read up to ``Hq / H`` times the budget. Its budget counts the current page too.
+
+Every token stays in memory: the engine reports ``attended_tokens`` (mean tokens attended per step, row, query head
+and layer, the dense layers included) next to the KV bytes, so Quest is compared "at the same sparsity", never as
+a memory saving.
 
 Page summaries ``kmax``/``kmin`` ``(B, H, ceil(capacity / page_size), D)`` live in ``state``, allocated once per row
 when the row first needs a selection; after that only the page of each row's new token is updated (the engine calls
@@ -29,17 +43,20 @@ from vase.engine.scores import GROUP_REDUCE, page_min_max, page_upper_bound
 
 @dataclass
 class Quest(SelectionPolicy):
-    """Quest page selection.
+    """Quest page selection (as published by default; see the module docstring).
 
     Attributes:
-        budget: tokens attended per step besides the current page (``budget // page_size`` pages).
+        budget: tokens attended per step and head: ``budget // page_size`` pages, the current page included.
         window: unused (kept so every policy config has the same keys).
         page_size: tokens per page (16).
-        group_reduce: how the query heads of a KV head's group combine their page bounds: ``max`` | ``sum``.
+        dense_layers: the first ``dense_layers`` layers attend to every held token (Quest: 2).
+        group_reduce: ``none`` selects pages per query head (Quest); ``max`` | ``sum`` selects one set per KV head,
+            combining its query heads' bounds.
     """
 
     page_size: int = 16
-    group_reduce: str = "max"
+    dense_layers: int = 2
+    group_reduce: str = "none"
 
     name: ClassVar[str] = "quest"
     needs_queries: ClassVar[bool] = False
@@ -55,13 +72,25 @@ class Quest(SelectionPolicy):
         _check(
             self.budget >= ps,
             "policy.budget",
-            f"must be >= page_size = {ps} (budget // page_size pages are attended), got {self.budget}",
+            f"must be >= page_size = {ps} (budget // page_size pages are attended, the current one included), "
+            f"got {self.budget}",
+        )
+        dl = self.dense_layers
+        _check(
+            isinstance(dl, int) and not isinstance(dl, bool) and dl >= 0,
+            "policy.dense_layers",
+            f"must be an integer >= 0, got {dl!r}",
         )
         _check(
             self.group_reduce in GROUP_REDUCE,
             "policy.group_reduce",
             f"must be one of {', '.join(GROUP_REDUCE)}, got {self.group_reduce!r}",
         )
+
+    @property
+    def n_pages(self) -> int:
+        """Pages attended per step and head, the current page included."""
+        return self.budget // self.page_size
 
     def page_summaries(self, inputs: SelectionInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kmax, kmin)``, each ``(B, H, ceil(capacity / page_size), D)``, kept up to date in ``inputs.state``."""
@@ -88,27 +117,29 @@ class Quest(SelectionPolicy):
         return kmax, kmin
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor | None:
-        """``(B, H, L)`` bool: each row's best pages within the budget plus its current page; ``None`` if all fit."""
-        ps = self.page_size
+        """``(B, Hq, L)`` (``group_reduce=none``) or ``(B, H, L)`` bool: each row's current page plus its
+        ``n_pages - 1`` best complete pages; ``None`` in the dense layers or when every row holds at most ``n_pages``
+        pages."""
+        if inputs.layer_idx < self.dense_layers:
+            return None
+        ps, n_pages = self.page_size, self.n_pages
         current = [(length - 1) // ps for length in inputs.lengths_host]  # pages before it are complete
-        n_pages = self.budget // ps
-        fits = max(current) <= n_pages
+        fits = max(current) < n_pages  # every row holds at most n_pages pages
         if fits and "kmax" not in inputs.state:
             return None
-        kmax, kmin = self.page_summaries(inputs)
+        kmax, kmin = self.page_summaries(inputs)  # kept up to date at every step once allocated
         if fits:
             return None
-        n_complete = max(current)
+        n_complete = max(current)  # >= n_pages > n_pages - 1 = pages to choose
         bound = page_upper_bound(inputs.query, kmax[:, :, :n_complete], kmin[:, :, :n_complete], self.group_reduce)
-        b, h = bound.shape[:2]
+        b, heads = bound.shape[:2]
         cur = torch.div(inputs.lengths - 1, ps, rounding_mode="floor")  # (B,)
         complete = torch.arange(n_complete, device=bound.device)[None, :] < cur[:, None]  # (B, P)
         bound = bound.masked_fill(~complete[:, None, :], float("-inf"))
-        top = bound.topk(min(n_pages, n_complete), dim=-1).indices  # (B, H, k)
-        n_total = max(n_complete + 1, -(-inputs.length // ps))  # pages spanning the keys handed in
-        pages = torch.zeros((b, h, n_total), dtype=torch.bool, device=bound.device)
+        top = bound.topk(n_pages - 1, dim=-1).indices  # a row with fewer complete pages gets all of them
+        n_total = max(n_complete + 1, -(-inputs.length // ps))  # the keys handed in may span other rows' pages
+        pages = torch.zeros((b, heads, n_total), dtype=torch.bool, device=bound.device)
         pages.scatter_(-1, top, True)
         pages[..., :n_complete] &= complete[:, None, :]
-        pages[..., n_complete + 1 :] = False
-        pages.scatter_(-1, cur.view(b, 1, 1).expand(b, h, 1), True)
+        pages.scatter_(-1, cur.view(b, 1, 1).expand(b, heads, 1), True)  # the current page, always
         return pages.repeat_interleave(ps, dim=-1)[..., : inputs.length]

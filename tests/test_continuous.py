@@ -10,6 +10,7 @@ What must hold (issue: continuous batching):
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,14 +20,17 @@ from omegaconf import OmegaConf
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from tests.seer_reference import write_random_gates
 from vase.engine import Decoder, Request, SamplingConfig, generate, sample_seeds
 from vase.engine.attention import eager_attention
 from vase.engine.cache import cache_capacity
-from vase.models import tiny_model
+from vase.models import tiny_config, tiny_model
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "policy"
-POLICIES = ["full", "snapkv", "vase_attnv", "vase_dkv", "quest"]
+POLICIES = ["full", "snapkv", "vase_attnv", "vase_dkv", "quest", "seer_attention_r"]
 BUDGET, WINDOW = 32, 8
+MODEL = dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+_GATES = tempfile.TemporaryDirectory()
 
 
 def load_policy(name: str, budget: int = BUDGET, window: int = WINDOW):
@@ -34,6 +38,12 @@ def load_policy(name: str, budget: int = BUDGET, window: int = WINDOW):
     cfg.budget, cfg.window = budget, window
     if name == "quest":
         cfg.page_size = 8
+        cfg.dense_layers = 1  # the model has 2 layers
+    if name == "seer_attention_r":  # random gates of the model's geometry, 8-token blocks
+        gates = Path(_GATES.name) / "gates"
+        if not gates.exists():
+            write_random_gates(gates, tiny_config("qwen3", **MODEL), block_size=8)
+        cfg.gate_path, cfg.block_size = str(gates), 8
     return instantiate(cfg)
 
 
@@ -44,7 +54,7 @@ def prompts(lengths=(11, 27, 19, 40), vocab: int = 256) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model("qwen3", num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+    return tiny_model("qwen3", **MODEL)
 
 
 def decode_all(model, policy, reqs, rows, max_new, sampling, eos=(), **kw):
@@ -68,7 +78,7 @@ def test_sample_tokens_do_not_depend_on_the_batch(model, name, greedy):
     assert len(batched) == 8
     lengths = {len(f.tokens) for f in batched.values()}
     assert len(lengths) > 1, "the samples should end at different steps"
-    if name != "full" and name != "quest":
+    if load_policy(name).kind == "eviction":
         assert sum(f.stats["evictions"] for f in batched.values()) > 0
     for r in reqs:
         for s, seed in enumerate(r.seeds):
@@ -319,13 +329,14 @@ def _logits_by_row(model, policy_name, backend, reqs, rows):
     return out, done
 
 
-@pytest.mark.parametrize("name", ["full", "snapkv", "quest"])
+@pytest.mark.parametrize("name", ["full", "snapkv", "quest", "seer_attention_r"])
 def test_flash_attention_path_matches_sdpa_on_rows_of_different_lengths(model, fake_flash, name):
     reqs = [Request(p, [i], key=i) for i, p in enumerate(prompts((9, 26, 17)))]
     want, want_done = _logits_by_row(model, name, "sdpa", reqs, rows=2)
     got, got_done = _logits_by_row(model, name, "flash_attn", reqs, rows=2)
     fns = {c["fn"] for c in fake_flash.calls}
-    assert fns == {"flash_attn_func", "flash_attn_with_kvcache"} or (name == "quest" and "flash_attn_func" in fns)
+    selects = load_policy(name).kind == "selection"  # a step with a token subset runs SDPA with a mask
+    assert fns == {"flash_attn_func", "flash_attn_with_kvcache"} or (selects and "flash_attn_func" in fns)
     seqlens = [c["seqlens"] for c in fake_flash.calls if c["fn"] == "flash_attn_with_kvcache"]
     assert any(len(set(s)) > 1 for s in seqlens), "the rows should hold different lengths"
     for rid in want:

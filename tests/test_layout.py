@@ -2,7 +2,8 @@
 
 * Imports run one way, engine <- run <- analysis (read from the source with ``ast``, imports inside functions
   included): the engine imports neither the runner, the analysis nor the benchmarks; the runner neither the analysis
-  nor the benchmarks; the policies and the baselines only the engine (and the policies they build on).
+  nor the benchmarks; the policies and the baselines only the engine (and the policies they build on; a baseline
+  that loads a checkpoint, also ``vase.hub``).
 * A module of ``vase/``, ``baselines/``, ``tasks/`` or ``scripts/`` over :data:`MAX_LINES` lines says why at its top: a
   line of its docstring starting with :data:`LONG_MARKER`.
 * Every ``_target_`` in ``conf/`` imports, and the keys next to it are parameters of what it names.
@@ -36,7 +37,8 @@ LAYERS = [
     ("vase/bench", "forbid", ("vase.run", "vase.analysis")),
     ("vase/analysis", "forbid", ("vase.bench",)),
     ("vase/policies", "allow", ("vase.engine", "vase.policies")),
-    ("baselines", "allow", ("vase.engine", "vase.policies", "baselines")),
+    # vase.hub (standard library only) gives a baseline that loads a checkpoint the harness's hub errors and pins.
+    ("baselines", "allow", ("vase.engine", "vase.policies", "vase.hub", "baselines")),
 ]
 PROJECT_PACKAGES = ("vase", "baselines", "tasks")
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
 
@@ -133,6 +134,7 @@ def test_every_config_instantiates_with_its_name():
         "rkv_original",
         "curdkv_original",
         "random_keep_prompt",
+        "seer_attention_r",
     } <= set(ALL_CONFIGS)
 
 
@@ -158,9 +160,9 @@ def test_eviction_contract(name, layout):
     assert torch.equal(policy.keep(row(inputs, 1, seed=101)), idx[1:2])
 
 
-def selection_inputs(query, keys, state=None, lengths=None, capacity=None) -> SelectionInputs:
-    """What the engine hands Quest at a decode step: rows hold ``lengths`` (default: all of ``keys``)."""
-    b, _, length, _ = keys.shape
+def selection_inputs(query, keys, state=None, lengths=None, capacity=None, layer_idx=0) -> SelectionInputs:
+    """What the engine hands a selection policy at a decode step: rows hold ``lengths`` (default: all of ``keys``)."""
+    b, h, length, _ = keys.shape
     lengths = [length] * b if lengths is None else list(lengths)
     return SelectionInputs(
         query=query,
@@ -170,50 +172,183 @@ def selection_inputs(query, keys, state=None, lengths=None, capacity=None) -> Se
         lengths_host=lengths,
         capacity=capacity or length,
         n_new=1,
-        layer_idx=0,
+        layer_idx=layer_idx,
         state={} if state is None else state,
+        positions=torch.arange(length).expand(b, h, length).clone(),
     )
 
 
+def ready_selection_policy(name: str, h: int, hq: int, tmp_path: Path, budget: int = 32):
+    """Config ``name`` set up for a model of ``h`` KV heads, ``hq`` query heads and head dim ``DIM`` (a policy that
+    loads a checkpoint gets random gates of that geometry, with 16-token blocks)."""
+    from vase.models import tiny_config
+
+    config = tiny_config("qwen3", num_hidden_layers=3, num_attention_heads=hq, num_key_value_heads=h, head_dim=DIM)
+    overrides = {}
+    if "gate_path" in OmegaConf.load(CONF / f"{name}.yaml"):
+        from tests.seer_reference import write_random_gates
+
+        overrides = {"gate_path": str(write_random_gates(tmp_path / name, config, block_size=16)), "block_size": 16}
+    policy = load_policy(name, budget=budget, **overrides)
+    policy.setup(config)
+    return policy
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_quest_contract(layout):
+@pytest.mark.parametrize("name", kinds("selection"))
+def test_selection_contract(name, layout, tmp_path):
+    """Every selection policy: a bool mask per KV head or per query head, the current token always attended, fewer
+    tokens than held once the rows hold several budgets, and each row's mask independent of the other rows."""
+    h, hq = LAYOUTS[layout]
+    policy = ready_selection_policy(name, h, hq, tmp_path)
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(3, h, 170, DIM, generator=g)
+    lengths = [160, 131, 97]
+    state: dict = {}
+    alone: list[dict] = [{} for _ in lengths]
+    for step in range(3):  # three decode steps: the state is created, then updated
+        now = [n - 2 + step for n in lengths]
+        query = torch.randn(3, hq, 1, DIM, generator=g)
+        span = max(now) + 5  # the engine may hand slots past every row of the call (longer rows of other calls)
+        mask = policy.select(selection_inputs(query, keys[:, :, :span], state, now, 192, layer_idx=2))
+        assert mask is not None and mask.dtype == torch.bool and mask.shape in ((3, h, span), (3, hq, span))
+        for i, n in enumerate(now):
+            assert mask[i, :, n - 1].all(), "the current token must be attended"
+            assert (mask[i, :, :n].sum(-1) < n).all()
+            one = policy.select(selection_inputs(query[i : i + 1], keys[i : i + 1, :, :n], alone[i], capacity=192,
+                                                 layer_idx=2))  # fmt: skip
+            assert torch.equal(mask[i : i + 1, :, :n], one), (name, step, i)
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the aten ops run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# Ops that read a device value on the host (a CUDA synchronisation) or have a data-dependent output shape.
+HOST_READS = ("_local_scalar_dense", "aten.item", "aten.nonzero", "aten.is_nonzero", "aten.equal", "masked_select")
+
+
+@pytest.mark.parametrize("name", kinds("selection"))
+def test_selection_decode_step_reads_nothing_back_from_the_device(name, tmp_path):
+    """Once a row's state exists, a decode step's select() only launches device work: no value is read on the host
+    (CUDA sync) and no output shape depends on data. Checked on CPU by recording the aten ops."""
+    policy = ready_selection_policy(name, 2, 8, tmp_path)
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 2, 100, DIM, generator=g)
+    state: dict = {}
+    policy.select(selection_inputs(torch.randn(2, 8, 1, DIM), keys[:, :, :98], state, [98, 90], 128, layer_idx=2))
+    with _Ops() as ops:
+        mask = policy.select(selection_inputs(torch.randn(2, 8, 1, DIM), keys[:, :, :99], state, [99, 91], 128, 2))
+    assert mask is not None and ops.names
+    bad = [n for n in ops.names if any(h in n for h in HOST_READS)]
+    assert not bad, bad
+
+
+def quest_reference(query, keys, lengths, budget, page_size, group_reduce="none") -> torch.Tensor:
+    """Quest as published, one row and one head at a time: a row holding at most ``budget // page_size`` pages attends
+    to all of them; otherwise to its current page plus the ``budget // page_size - 1`` complete pages with the largest
+    bound ``Σ_d max(q_d kmax_d, q_d kmin_d)`` (per query head, or the group's max/sum per KV head)."""
+    b, hq = query.shape[:2]
+    h, length = keys.shape[1], keys.shape[2]
+    g = hq // h
+    heads = hq if group_reduce == "none" else h
+    n_pages = budget // page_size
+    out = torch.zeros(b, heads, length, dtype=torch.bool)
+    for i in range(b):
+        n = lengths[i]
+        cur = (n - 1) // page_size
+        for hh in range(heads):
+            if cur + 1 <= n_pages:
+                out[i, hh, :n] = True
+                continue
+            kv, q_heads = (hh // g, [hh]) if group_reduce == "none" else (hh, range(hh * g, hh * g + g))
+            scores = []
+            for p in range(cur):
+                page = keys[i, kv, p * page_size : (p + 1) * page_size]
+                kmax, kmin = page.amax(0), page.amin(0)
+                per = [float(torch.maximum(query[i, j, 0] * kmax, query[i, j, 0] * kmin).sum()) for j in q_heads]
+                scores.append(sum(per) if group_reduce == "sum" else max(per))
+            for p in sorted(range(cur), key=lambda x: -scores[x])[: n_pages - 1] + [cur]:
+                out[i, hh, p * page_size : min((p + 1) * page_size, n)] = True
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_quest_as_published_selects_per_query_head_with_the_current_page_in_the_budget(layout):
     h, hq = LAYOUTS[layout]
     policy = load_policy("quest", budget=32)
+    assert (policy.page_size, policy.dense_layers, policy.group_reduce) == (16, 2, "none")
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(3, h, 100, DIM, generator=g)
     query = torch.randn(3, hq, 1, DIM, generator=g)
-    mask = policy.select(selection_inputs(query, keys))
-    assert mask.shape == (3, h, 100) and mask.dtype == torch.bool
+    mask = policy.select(selection_inputs(query, keys, layer_idx=2))
+    assert mask.shape == (3, hq, 100) and mask.dtype == torch.bool  # one set per query head
     assert mask[..., 96:].all(), "the current page (tokens 96..99) must always be attended"
-    assert mask.sum(-1).eq(32 + 4).all()  # budget // 16 = 2 full pages + the 4-token current page
-    # The chosen pages are the best by the upper bound.
+    assert mask.sum(-1).eq(16 + 4).all()  # budget // 16 = 2 pages in all: the best complete page + the current page
+    assert torch.equal(mask, quest_reference(query, keys, [100] * 3, 32, 16))
+    # The chosen page is the best by each head's own bound.
     kmax, kmin = page_min_max(keys, 16)
-    bound = page_upper_bound(query, kmax[:, :, :6], kmin[:, :, :6], "max")
-    chosen = mask[..., :96].view(3, h, 6, 16).all(-1)
-    assert torch.equal(chosen, torch.zeros_like(chosen).scatter_(-1, bound.topk(2, dim=-1).indices, True))
-    # Everything fits: attend to all.
-    assert policy.select(selection_inputs(query, keys[:, :, :40])) is None
+    bound = page_upper_bound(query, kmax[:, :, :6], kmin[:, :, :6], "none")
+    chosen = mask[..., :96].view(3, hq, 6, 16).all(-1)
+    assert torch.equal(chosen, torch.zeros_like(chosen).scatter_(-1, bound.argmax(-1, keepdim=True), True))
+    if hq > h:  # heads of one group disagree somewhere: per-head selection is not the grouped one
+        assert not torch.equal(
+            mask, mask.view(3, h, hq // h, 100)[:, :, :1].expand(3, h, hq // h, 100).reshape(mask.shape)
+        )
+    # Everything fits (at most 2 pages held): attend to all; the first two layers are dense.
+    assert policy.select(selection_inputs(query, keys[:, :, :32], layer_idx=2)) is None
+    assert policy.select(selection_inputs(query, keys, layer_idx=0)) is None
+    assert policy.select(selection_inputs(query, keys, layer_idx=1)) is None
+
+
+@pytest.mark.parametrize("group_reduce", ["none", "max", "sum"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_quest_matches_the_reference_at_every_budget_and_length(layout, group_reduce):
+    h, hq = LAYOUTS[layout]
+    g = torch.Generator().manual_seed(7)
+    keys = torch.randn(3, h, 90, DIM, generator=g)
+    for budget in (16, 32, 48, 64):
+        policy = load_policy("quest", budget=budget, dense_layers=0, group_reduce=group_reduce)
+        for lengths in ([90, 90, 90], [90, 47, 17], [33, 64, 65]):
+            query = torch.randn(3, hq, 1, DIM, generator=g)
+            length = max(lengths)
+            got = policy.select(selection_inputs(query, keys[:, :, :length], lengths=lengths, capacity=96))
+            want = quest_reference(query, keys, lengths, budget, 16, group_reduce)[..., :length]
+            if got is None:
+                assert all((n - 1) // 16 + 1 <= budget // 16 for n in lengths)
+            else:
+                for i, n in enumerate(lengths):
+                    assert torch.equal(got[i, :, :n], want[i, :, :n]), (budget, lengths, i)
+                assert got.shape[1] == (hq if group_reduce == "none" else h)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_quest_rows_of_different_lengths_equal_each_row_alone(layout):
     """Continuous batching: rows holding different lengths get, each, the mask it gets alone."""
     h, hq = LAYOUTS[layout]
-    policy = load_policy("quest", budget=32)
+    policy = load_policy("quest", budget=32, dense_layers=0)
     g = torch.Generator().manual_seed(2)
     keys = torch.randn(3, h, 100, DIM, generator=g)
     query = torch.randn(3, hq, 1, DIM, generator=g)
     lengths = [100, 71, 40]
     mask = policy.select(selection_inputs(query, keys, lengths=lengths, capacity=128))
-    assert mask.shape == (3, h, 100)
+    assert mask.shape == (3, hq, 100)
     for i, length in enumerate(lengths):
         alone = policy.select(selection_inputs(query[i : i + 1], keys[i : i + 1, :, :length], capacity=128))
-        want = torch.ones(1, h, length, dtype=torch.bool) if alone is None else alone
+        want = torch.ones(1, hq, length, dtype=torch.bool) if alone is None else alone
         assert torch.equal(mask[i : i + 1, :, :length], want), i
 
 
 def test_quest_incremental_state_matches_fresh():
-    policy = load_policy("quest", budget=32)
+    policy = load_policy("quest", budget=32, dense_layers=0)
     g = torch.Generator().manual_seed(1)
     keys = torch.randn(2, 2, 130, DIM, generator=g)
     state: dict = {}
@@ -390,6 +525,9 @@ def test_evict_large_value_keeps_exactly_the_smallest(stat):
         ("curdkv_original", {"local_window": -1}, "policy.local_window: must be an integer >= 0"),
         ("curdkv_original", {"leverage": "kv"}, "policy.leverage: must be one of key, value, kv_avg, kv_product"),
         ("random_keep_prompt", {"keep_prompt": "yes"}, "policy.keep_prompt: must be true or false"),
+        ("quest", {"dense_layers": -1}, "policy.dense_layers: must be an integer >= 0"),
+        ("seer_attention_r", {"block_size": 1024}, "policy.budget: must be >= block_size = 1024"),
+        ("seer_attention_r", {"decode_block_position": "middle"}, "policy.decode_block_position: must be one of"),
     ],
 )
 def test_validation_names_the_field(name, overrides, message):

@@ -51,11 +51,17 @@ def _options(group: str) -> list[str]:
 
 
 @pytest.mark.parametrize("group", ["model", "task", "policy", "generation", "protocol", "pilot_row", "logger", "sweep"])
-def test_every_config_composes_and_instantiates(group):
+def test_every_config_composes_and_instantiates(group, tmp_path):
     for option in _options(group):
         overrides = [f"{group}={option}"] if group != "sweep" else [f"sweep={option}"]
         if group != "model":
             overrides.append("model=tiny")
+        if option == "seer_attention_r":  # no gates are published for the tiny model: random ones in their format
+            from tests.seer_reference import write_random_gates
+            from vase.models import tiny_config
+
+            gates = write_random_gates(tmp_path / "gates", tiny_config("qwen3"))
+            overrides.append(f"policy.gate_path={gates}")
         # the GSM8K pilot's rows protect up to 256 value slots: a budget they fit in
         budget = "budget=512" if group in ("sweep", "pilot_row") else "budget=128"
         cfg = _compose(overrides + [budget, "window=16"])

@@ -107,6 +107,7 @@ class Side:
         self.prompts = [prompt[r * stagger :].to(device) for r in range(rows)]
         if min(x.numel() for x in self.prompts) < 1:
             raise ValueError(f"--stagger: {stagger} x {rows} rows leaves an empty prompt of {p} tokens")
+        policy.setup(model.config)  # as the Decoder does (SeerAttention-R loads its gates)
         geometry = model_geometry(model, rows, cache_capacity(policy, p, steps), prompt_len=p)
         self.cache = VaseCache(geometry, policy, scaling=geometry.head_dim**-0.5, attn_backend=self.backend)
         self.gens = [torch.Generator(device=device).manual_seed(s ^ 0x5EED_CAFE) for s in sample_seeds(seed, rows)]

@@ -66,6 +66,14 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
+def selection_key_mask(selected: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """A selection policy's mask as the decode step's key mask: ``(n, H, L)`` (per KV head, repeated over the group's
+    query heads) or ``(n, Hq, L)`` (per query head) → ``(n, Hq, 1, L)`` bool."""
+    if selected.shape[1] != num_q_heads:
+        selected = selected.repeat_interleave(num_q_heads // selected.shape[1], dim=1)
+    return selected.unsqueeze(2)
+
+
 def eager_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -170,10 +178,9 @@ def vase_attention_forward(
             out = _sdpa(query, key, value, scaling, True, None)
         return out.transpose(1, 2).contiguous(), None
     # A decode step: a selection policy picks tokens (Quest); otherwise each row attends to all it holds.
-    selected = layer.selection_mask(query)  # (n, H, L) with the length mask applied, or None
+    selected = layer.selection_mask(query)  # (n, H, L) or (n, Hq, L) with the length mask applied, or None
     if selected is not None:
-        groups = query.shape[1] // key.shape[1]
-        mask = selected.repeat_interleave(groups, dim=1).unsqueeze(2)  # (n, Hq, 1, L)
+        mask = selection_key_mask(selected, query.shape[1])  # (n, Hq, 1, L)
     else:
         mask = cache.length_mask(query.shape[0], key.shape[2])
         if mask is not None:

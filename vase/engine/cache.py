@@ -216,13 +216,17 @@ class VaseCache(Cache):
             self.row_evictions[r] += 1
             self.row_eviction_seconds[r] += share
 
-    def add_attended(self, mask: torch.Tensor | None, heads: int) -> None:
-        """Selection policies: add this step's attended tokens per row (``mask (n, H, L)``, or all held tokens)."""
+    def add_attended(self, mask: torch.Tensor | None, num_q_heads: int) -> None:
+        """Selection policies: add this step's attended tokens per row, summed over the layer's query heads.
+
+        ``mask``: ``(n, Hq, L)`` (per query head) or ``(n, H, L)`` (per KV head: each of the group's ``Hq // H`` query
+        heads attends to the KV head's tokens), or ``None`` (every held token, for every query head).
+        """
         n = self.n_live
         if mask is None:
-            self.attended[:n] += heads * (self.lengths_t[:n] + 1)
+            self.attended[:n] += num_q_heads * (self.lengths_t[:n] + 1)
         else:
-            self.attended[:n] += mask.sum(dim=(1, 2))
+            self.attended[:n] += mask.sum(dim=(1, 2)) * (num_q_heads // mask.shape[1])
 
     # ---- rows ----------------------------------------------------------------------------------------------------
     def move_row(self, src: int, dst: int) -> None:

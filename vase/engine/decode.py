@@ -92,7 +92,7 @@ class Finished:
         prompt_len: prompt tokens.
         stats: ``decode_steps`` (forwards the row took part in), ``evictions`` (eviction events summed over layers),
             ``eviction_seconds`` (its share), ``held_tokens`` (mean tokens held per layer and KV head over its
-            decode steps), ``attended_tokens`` (selection policies: mean tokens attended per step, KV head and
+            decode steps), ``attended_tokens`` (selection policies: mean tokens attended per step, query head and
             layer), ``first_step`` / ``last_step`` (the decoder's step counter when it entered and ended).
     """
 
@@ -210,6 +210,7 @@ class Decoder:
     ):
         check_architecture(model.config)
         policy.validate()
+        policy.setup(model.config)
         if not isinstance(rows, int) or rows < 1:
             raise ValueError(f"generation.max_rows: must be an integer >= 1, got {rows!r}")
         if max_new_tokens is None and max_length is None:
@@ -466,7 +467,7 @@ class Decoder:
         g = self.geometry
         attended = st.pop("attended_tokens_sum")
         if attended is not None:
-            attended = attended / (row.steps * g.num_kv_heads * g.num_layers) if row.steps else None
+            attended = attended / (row.steps * g.num_q_heads * g.num_layers) if row.steps else None
         stats = {
             "decode_steps": row.steps,
             "evictions": st["evictions"],

@@ -29,7 +29,7 @@ class GenerationOutput:
         prompt_len: prompt tokens.
         stats: ``prefill_seconds``, ``decode_seconds``, ``decode_tokens``, ``decode_steps_rows``, ``kv_cache_bytes``
             (allocated), ``kv_cache_bytes_expected`` (rows × capacity), ``aux_bytes``, ``capacity``, ``evictions``
-            (events summed over rows and layers), ``eviction_seconds``, ``attended_tokens`` (mean per step, row, KV
+            (events summed over rows and layers), ``eviction_seconds``, ``attended_tokens`` (mean per step, row, query
             head and layer; selection policies), ``held_tokens`` (mean held per layer/row/head over decode steps),
             ``finish_step`` per sample, ``attn_backend``, ``per_sample`` (each :class:`Finished`'s stats).
     """

@@ -141,15 +141,18 @@ class VaseLayer(CacheLayerMixin):
         self.queries[owner.row_index[:n], :, owner.pos_t[:n] % w] = query[:, :, 0]
 
     def selection_mask(self, query: torch.Tensor) -> torch.Tensor | None:
-        """Ask a selection policy which held tokens this decode step attends to: ``(n, H, L)`` bool, or ``None``.
+        """Ask a selection policy which held tokens this decode step attends to, or ``None`` for all of them.
 
         ``query``: ``(n, Hq, 1, D)`` the step's post-RoPE queries (decode steps only; the prefill attends to all).
+        Returns ``(n, H, L)`` (per KV head) or ``(n, Hq, L)`` (per query head) bool, as the policy chose (see
+        :class:`~vase.engine.policy.SelectionPolicy`), with each row's length mask applied.
         """
         owner = self.owner
         policy = owner.policy
         if policy.kind != "selection":
             return None
         n, length = owner.n_live, owner.max_length_after_append
+        n_kv, n_q = self.keys.shape[1], query.shape[1]
         masks: list[tuple[list[int], torch.Tensor | None]] = []
         for slots in self._groups(list(range(n))):
             span = span_of(slots)
@@ -167,22 +170,32 @@ class VaseLayer(CacheLayerMixin):
                     n_new=1,
                     layer_idx=self.layer_idx,
                     state=state,
+                    positions=self.positions[idx, :, :length],
                 )
             )
             self._put_state(slots, idx, state)
+            if mask is not None and (mask.dim() != 3 or mask.shape[1] not in (n_kv, n_q) or mask.shape[2] != length):
+                raise RuntimeError(
+                    f"policy {policy.name}: select() returned {tuple(mask.shape)}, expected ({len(slots)}, {n_kv} or "
+                    f"{n_q}, {length})"
+                )
             masks.append((slots, mask))
         if all(m is None for _, m in masks):
-            owner.add_attended(None, self.keys.shape[1])
+            owner.add_attended(None, n_q)
             return None
-        full = torch.ones((n, self.keys.shape[1], length), dtype=torch.bool, device=query.device)
+        # One head axis for the whole step: per query head if any group's mask is (a KV-head mask is then repeated).
+        heads = n_q if any(m is not None and m.shape[1] == n_q for _, m in masks) else n_kv
+        full = torch.ones((n, heads, length), dtype=torch.bool, device=query.device)
         for slots, mask in masks:
             if mask is not None:
+                if mask.shape[1] != heads:
+                    mask = mask.repeat_interleave(heads // mask.shape[1], dim=1)
                 span = span_of(slots)
                 full[span if span is not None else torch.tensor(slots, device=query.device)] = mask
         held = owner.length_mask(n, length)
         if held is not None:
             full &= held[:, None, :]
-        owner.add_attended(full, self.keys.shape[1])
+        owner.add_attended(full, n_q)
         return full
 
     # ---- policy state ----------------------------------------------------------------------------------------

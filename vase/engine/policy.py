@@ -6,8 +6,9 @@ storage and calls the policy at two hooks:
 * eviction policies (``kind = "eviction"``) implement :meth:`EvictionPolicy.keep`: at each eviction event the engine
   hands the candidates of the rows that evict now (one layer) and gets back, per (row, KV head), the indices of the
   candidates to keep; the engine does the gather and moves the recent window behind them.
-* selection policies (``kind = "selection"``, e.g. Quest) keep every token and implement
-  :meth:`SelectionPolicy.select`: per decode step and layer, a boolean mask of the held tokens that the step attends to.
+* selection policies (``kind = "selection"``, e.g. Quest, SeerAttention-R) keep every token and implement
+  :meth:`SelectionPolicy.select`: per decode step and layer, a boolean mask of the held tokens that the step attends to,
+  per KV head or per query head.
 * ``kind = "none"`` (the full cache) never evicts nor selects.
 
 Rows of one call may come from different problems (continuous batching): every input is per row, and a policy must
@@ -20,6 +21,8 @@ step when it holds more than ``budget`` tokens and its sequence length (prompt +
 ``evict_every`` (default ``window``: VaSE's scaffold, where this is the same as "the held count is a multiple of
 ``window``"); ``compress_prefill`` also evicts right after the prefill when the prompt is longer than ``budget``
 (R-KV). ``keep_prompt`` pins the prompt: it is never a candidate, and the budget counts it.
+Before decoding, the decoder calls :meth:`Policy.setup` once with the model's config (a policy that needs the model,
+e.g. SeerAttention-R's gates, checks and loads it there).
 
 Policy state: ``inputs.state`` is a dict of row-first tensors ``(B, ...)`` that the engine keeps per row and per layer
 between calls (e.g. CurDKV's sketch). A call's rows all have the same keys in their state: an empty dict means these
@@ -108,8 +111,11 @@ class SelectionInputs:
 
     Attributes:
         query: ``(B, Hq, 1, D)`` post-RoPE query of the current step.
-        keys: ``(B, H, L, D)`` held keys; row ``b`` holds ``lengths[b] <= L`` tokens (its current token at index
-            ``lengths[b] - 1``); slots past a row's length are not its tokens.
+        keys: ``(B, H, L, D)`` held post-RoPE keys; row ``b`` holds ``lengths[b] <= L`` tokens (its current token at
+            index ``lengths[b] - 1``); slots past a row's length are not its tokens. A selection policy's rows are never
+            compacted, so slots are in position order.
+        positions: ``(B, H, L)`` int64 absolute positions of the held tokens (a view of the engine's storage; read
+            only), e.g. to undo RoPE (SeerAttention-R's gate works on pre-RoPE queries and keys).
         length: ``L``, the longest row's held length after this step's append.
         lengths: ``(B,)`` int64 tokens held by each row (on the device).
         lengths_host: the same as a list of ints (no device synchronisation needed to read it).
@@ -128,6 +134,7 @@ class SelectionInputs:
     n_new: int
     layer_idx: int
     state: dict = field(default_factory=dict)
+    positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -171,6 +178,13 @@ class Policy:
             f"must be a multiple of window={self.window} so the eviction trigger (held % window == 0) fires; "
             f"got {self.budget} (try {max(2, round(self.budget / self.window)) * self.window})",
         )
+
+    def setup(self, model_config) -> None:
+        """Called once by the decoder with the model's config before anything is decoded (default: nothing).
+
+        A policy that depends on the model checks it here (one-line ``ValueError`` naming the setting and the fix) and
+        loads what it needs (SeerAttention-R: its gate checkpoint). Must be idempotent (one decoder per batch plan).
+        """
 
     @property
     def n_keep(self) -> int:
@@ -301,7 +315,15 @@ class EvictionPolicy(Policy):
 
 @dataclass
 class SelectionPolicy(Policy):
-    """Base of selection policies: the full cache is kept; each decode step attends to a subset of it."""
+    """Base of selection policies: the full cache is kept; each decode step attends to a subset of it.
+
+    The mask contract (:meth:`select`): ``(B, H, L)`` selects tokens per KV head (every query head of the group attends
+    to the same tokens, e.g. SeerAttention-R, Quest with ``group_reduce``), ``(B, Hq, L)`` per query head (query head
+    ``j`` belongs to KV head ``j // (Hq // H)``, transformers' layout; e.g. Quest as published). The engine masks slots
+    past each row's length, hands the attention kernel a ``(B, Hq, 1, L)`` key mask (a KV-head mask is repeated over
+    its group), and counts ``attended_tokens`` per query head (a KV-head mask counts once for each head of its group),
+    so the two forms of the same selection report the same number.
+    """
 
     kind: ClassVar[str] = "selection"
 
@@ -313,7 +335,8 @@ class SelectionPolicy(Policy):
         )
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor | None:
-        """Return a ``(B, H, L)`` bool mask of the held tokens this step attends to, or ``None`` for all of them.
+        """Return a ``(B, H, L)`` or ``(B, Hq, L)`` bool mask of the held tokens this step attends to (see the class
+        docstring), or ``None`` for all of them.
 
         Slots past a row's length are masked by the engine whatever the policy returns for them.
         """

@@ -37,7 +37,7 @@ def score_dtype(name: str) -> torch.dtype:
 
 
 SMOOTH_ALONG = ("storage", "position")
-GROUP_REDUCE = ("max", "sum")
+GROUP_REDUCE = ("none", "max", "sum")
 
 
 def windowed_attention_score(
@@ -352,19 +352,20 @@ def page_min_max(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torc
 def page_upper_bound(
     query: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor, group_reduce: str = "max"
 ) -> torch.Tensor:
-    """Quest's bound ``Σ_d max(q_d·kmax_d, q_d·kmin_d)`` ≥ ``max_{k in page} q·k``, per KV head.
+    """Quest's bound ``Σ_d max(q_d·kmax_d, q_d·kmin_d)`` ≥ ``max_{k in page} q·k``, per query head or per KV head.
 
     Computed as ``q⁺·kmax + q⁻·kmin`` (``q⁺ = max(q, 0)``, ``q⁻ = min(q, 0)``): two matmuls, no ``(…, P, D)`` tensor.
-    With GQA the query heads of a group are combined by ``group_reduce``: ``"max"`` (a page ranks high if any head
-    of the group may attend to it strongly; the bound then bounds every head) or ``"sum"`` (bounds the summed logit).
+    ``group_reduce="none"`` keeps one bound per query head (Quest as published); with GQA ``"max"`` (a page ranks high
+    if any head of the group may attend to it strongly; the bound then bounds every head) or ``"sum"`` (bounds the
+    summed logit) combines the query heads of a group into one bound per KV head.
 
     Args:
         query: ``(B, Hq, D)`` or ``(B, Hq, 1, D)`` the current query.
         kmax, kmin: ``(B, H, P, D)`` page summaries.
-        group_reduce: ``"max"`` or ``"sum"``.
+        group_reduce: ``"none"``, ``"max"`` or ``"sum"``.
 
     Returns:
-        ``(B, H, P)`` float32.
+        ``(B, Hq, P)`` (``"none"``) or ``(B, H, P)`` float32.
     """
     q = query.float()
     if q.dim() == 4:
@@ -375,6 +376,8 @@ def page_upper_bound(
     bound = torch.matmul(q.clamp(min=0), kmax.float().transpose(-1, -2)) + torch.matmul(
         q.clamp(max=0), kmin.float().transpose(-1, -2)
     )  # (B, H, G, P)
+    if group_reduce == "none":
+        return bound.reshape(b, hq, -1)
     if group_reduce == "max":
         return bound.amax(dim=2)
     if group_reduce == "sum":
