@@ -244,7 +244,7 @@ def format_table(sections: list[Section]) -> str:
     widths[-1] = len(head[-1])
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
-    out += [fmt.format(*x) for x in lines]
+    out += [fmt.format(*x).rstrip() for x in lines]
     return "\n".join(out)
 
 
