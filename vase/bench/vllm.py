@@ -29,9 +29,7 @@ Definitions, identical for both engines:
   eviction; grading excluded); vLLM: from the last first token to the last token (``last_token_ts``);
 * ``decode_tok_s = tokens / decode_s`` (the harness's ``decode_tokens_per_second``); ``gen_tok_s = tokens /
   (prefill_s + decode_s)``, the prefill included;
-* ``process_s``: the whole process (imports, weight loading, engine start-up; the harness also grades inline).
-  Before the rounds vLLM starts once per dtype on one sample, untimed (``--no-vllm-warmup`` skips it): its first
-  start compiles the model (minutes of CPU), cached in ``~/.cache/vllm`` for the timed runs;
+* ``process_s``: the whole process (imports, weight loading, engine start-up; the harness also grades inline);
 * ``peak_rss``: the process's peak resident set size, ``ru_maxrss`` of ``wait4`` on it (the same for both);
 * ``pass@1``: the harness's ``accuracy``; vLLM's samples graded by the same task code.
 
@@ -213,19 +211,15 @@ def vllm_worker(spec: dict) -> dict:
 
 
 # ---- processes ----------------------------------------------------------------------------------------------------
-def run_vllm(work: dict, args: argparse.Namespace, dtype: str, log: Path, warmup: bool = False) -> dict:
-    """vLLM's side in a fresh process of its venv; graded here. One result row.
-
-    ``warmup``: one sample of the first prompt only, not graded (the first start of vLLM in a dtype compiles the model
-    and caches it in ``~/.cache/vllm``; a warm-up keeps that out of the timed runs' ``process_s``).
-    """
+def run_vllm(work: dict, args: argparse.Namespace, dtype: str, log: Path) -> dict:
+    """vLLM's side in a fresh process of its venv; graded here. One result row."""
     spec = dict(
         model_path=work["model_path"],
         dtype=dtype,
         max_length=work["max_length"],
         max_num_seqs=len(work["prompts"]) * work["n_samples"],
-        prompts=work["prompts"][:1] if warmup else work["prompts"],
-        n_samples=1 if warmup else work["n_samples"],
+        prompts=work["prompts"],
+        n_samples=work["n_samples"],
         sampling=work["sampling"],
         greedy=work["greedy"],
         eos_token_ids=work["eos_token_ids"],
@@ -245,8 +239,6 @@ def run_vllm(work: dict, args: argparse.Namespace, dtype: str, log: Path, warmup
     row = dict(engine="vllm", policy="full", dtype=dtype, process_s=got["seconds"], peak_rss=got["peak_rss"])
     if out is None:
         return dict(row, error=f"exit {got['rc']}: {last_line(log)}")
-    if warmup:
-        return dict(row, load_s=out["load_s"])
     task, tok, problems = work["task"], work["tokenizer"], work["problems"]
     texts = [tok.decode(s["tokens"], skip_special_tokens=True) for s in out["samples"]]
     grades = task.grade_many([(problems[s["problem"]], t) for s, t in zip(out["samples"], texts)], work["thinking"])
@@ -398,11 +390,6 @@ def compare(args: argparse.Namespace) -> dict:
             model_path=work["model_path"],
         ),
     )
-    if args.vllm_warmup:
-        for d in dict.fromkeys(v[2] for v in plan if v[0] == "vllm"):
-            logger.info("warm-up: vLLM %s, one sample (compiles the model once, cached in ~/.cache/vllm)", d)
-            got = run_vllm(work, args, d, out / f"warmup_vllm_{d}.log", warmup=True)
-            info.setdefault("vllm_warmup", {})[d] = got
     runs, checks = [], []
     for i, (rnd, (engine, policy, dtype)) in enumerate(abba(plan, args.rounds)):
         log = out / f"run{i:02d}_{engine}_{policy}_{dtype}.log"
@@ -462,12 +449,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="vLLM's engine seed (requests are unseeded)")
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM enforce_eager (no torch.compile)")
-    ap.add_argument(
-        "--no-vllm-warmup",
-        dest="vllm_warmup",
-        action="store_false",
-        help="skip the untimed vLLM start per dtype before the rounds (it compiles the model once)",
-    )
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per process")
     ap.add_argument("--out", default=None, help="default results/bench/vllm_<time>")
     args = ap.parse_args(argv)
