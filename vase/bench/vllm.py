@@ -29,7 +29,8 @@ Definitions, identical for both engines:
   eviction; grading excluded); vLLM: from the last first token to the last token (``last_token_ts``);
 * ``decode_tok_s = tokens / decode_s`` (the harness's ``decode_tokens_per_second``); ``gen_tok_s = tokens /
   (prefill_s + decode_s)``, the prefill included;
-* ``process_s``: the whole process (imports, weight loading, engine start-up; the harness also grades inline);
+* ``process_s``: the whole process (imports, weight loading, engine start-up — vLLM compiles the model at every
+  start, its compile cache failing to load in 0.32.0 here; the harness also grades inline);
 * ``peak_rss``: the process's peak resident set size, ``ru_maxrss`` of ``wait4`` on it (the same for both);
 * ``pass@1``: the harness's ``accuracy``; vLLM's samples graded by the same task code.
 
