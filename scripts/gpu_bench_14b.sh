@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The paper's throughput table (method.md §5) on one GPU in under 8 minutes (sized for an H200, 141 GB):
 # a Qwen3-14B-shaped random model in bf16, FlashAttention-2 when `flash_attn` is importable (SDPA otherwise),
-# batch 16, 256-token random prompt, greedy, EOS ignored, budgets 2048/4096/6144, window 64, outputs 16K and 32K,
-# policies full / streaming / rkv / vase_attnv / vase_dkv.
+# batch 16 over 4 random prompts of different lengths (256 tokens and 16, 32, 48 fewer; steady state: the planned
+# prompt and up to a window less, so rows hold different lengths and evict at different steps, never in lockstep),
+# greedy, EOS ignored, budgets 2048/4096/6144, window 64, outputs 16K and 32K, policies full / streaming / rkv /
+# vase_attnv / vase_dkv.
 #
 # What is shortened to fit (say so when quoting the numbers): one full-length 16K run of a 14B model alone takes
 # minutes, so the sweep uses `--protocol steady` (see vase/bench/throughput.py): each eviction policy is timed in
@@ -25,8 +27,8 @@ OUT=${OUT:-results/bench/paper14b_${STAMP}}
 PY=${PY:-python}
 
 if [[ "${1:-}" == "--dry-run" ]]; then
-  exec "$PY" scripts/bench_throughput.py --preset paper14b --device cpu --model tiny --dtype float32 --batch 2 \
-    --prompt-len 16 --budgets 64,128,192 --window 32 --output-lens 512,1024 --steady-steps 64 --warmup-steps 40 \
+  exec "$PY" scripts/bench_throughput.py --preset paper14b --device cpu --model tiny --dtype float32 --batch 4 \
+    --prompt-len 48 --budgets 64,128,192 --window 32 --output-lens 512,1024 --steady-steps 64 --warmup-steps 40 \
     --time-limit 0 --out "${OUT}_dryrun"
 fi
 
@@ -34,7 +36,8 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia_smi.csv" || true
 "$PY" -c "import importlib.util as u; print('flash_attn importable:', u.find_spec('flash_attn') is not None)"
 if [[ "${CHECK:-1}" == "1" ]]; then
-  # FA2 (or SDPA's flash kernel) against SDPA: a Qwen3-0.6B-shaped model, 128 teacher-forced steps
+  # the default SDPA dispatch (and FA2 when it imports) against the math kernel: a Qwen3-0.6B-shaped model, staggered
+  # rows, 128 teacher-forced steps
   timeout 90 "$PY" scripts/gpu_check.py --steps 128 --out "$OUT/gpu_check.json" || echo "gpu_check: FAILED or timed out"
 fi
 timeout 430 "$PY" scripts/bench_throughput.py --preset paper14b --out "$OUT" || echo "bench: exit $?"

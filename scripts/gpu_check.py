@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Check that the fast attention path decodes like the reference path: logits and kept sets, teacher-forced.
+"""Check the engine's attention kernels on the real decode path: rows of different lengths, prefill and decode.
 
-The pairs compared, the two checks (the kernel on identical inputs; end to end, teacher-forced, against a float32
-reference) and their criteria: :mod:`vase.bench.attention_check` (the logic lives in ``vase/bench/``).
+Compares the default SDPA dispatch (whatever torch picks; no flash-attn needed) against SDPA's math kernel, and
+FlashAttention-2 against it when ``flash_attn`` imports: per-call outputs on identical inputs, the kernel each call
+ran, teacher-forced logits and kept sets against a float32 reference. The pairs, checks and criteria:
+:mod:`vase.bench.attention_check` (the logic lives in ``vase/bench/``).
 
-    python scripts/gpu_check.py                      # CUDA: flash_attn vs sdpa (or SDPA flash vs math)
-    python scripts/gpu_check.py --device cpu         # the CPU fallback (SDPA flash vs math kernels), runs anywhere
-    python scripts/gpu_check.py --dry-run            # tiny model, CPU, a few steps: checks the script itself
+    python scripts/gpu_check.py                      # CUDA: sdpa vs math (+ flash_attn vs math when it imports)
+    python scripts/gpu_check.py --device cpu         # the same on the CPU (SDPA's CPU kernels), runs anywhere
+    python scripts/gpu_check.py --dry-run            # small model, CPU, a few steps: checks the script itself
 
 Exit status 0 when every criterion holds; a JSON summary is printed (and written with ``--out``).
 """

@@ -4,6 +4,8 @@
   included): the engine imports neither the runner, the analysis nor the benchmarks; the runner neither the analysis
   nor the benchmarks; the policies and the baselines only the engine (and the policies they build on; a baseline
   that loads a checkpoint, also ``vase.hub``).
+* No import cycles between the project's modules (``vase``, ``baselines``, ``tasks``), imports inside functions
+  included; an import under ``if TYPE_CHECKING:`` (annotations only, never run) does not count.
 * A module of ``vase/``, ``baselines/``, ``tasks/`` or ``scripts/`` over :data:`MAX_LINES` lines says why at its top: a
   line of its docstring starting with :data:`LONG_MARKER`.
 * Every ``_target_`` in ``conf/`` imports, and the keys next to it are parameters of what it names.
@@ -70,6 +72,76 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> list
     return out
 
 
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def runtime_imports(source: str, module: str, is_package: bool = False) -> list[str]:
+    """The dotted names :func:`imported_modules` finds, less those under ``if TYPE_CHECKING:`` (never executed)."""
+    tree = ast.parse(source)
+    skipped = set()
+    for node in ast.walk(tree):
+        if _is_type_checking(node):
+            for inner in node.body:
+                skipped.update(id(n) for n in ast.walk(inner))
+    kept = ast.Module(body=[], type_ignores=[])
+    kept.body = [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in skipped]
+    return [name for _, name in imported_modules(ast.unparse(kept), module, is_package)]
+
+
+def import_graph(tops: tuple[str, ...] = PROJECT_PACKAGES) -> dict[str, set[str]]:
+    """Module -> the project modules it imports at run time (``from a import b``: ``a.b`` if a module, else ``a``)."""
+    files = {module_name(p): p for top in tops for p in sorted((ROOT / top).rglob("*.py"))}
+    graph = {}
+    for mod, path in files.items():
+        edges = set()
+        for name in runtime_imports(path.read_text(), mod, path.name == "__init__.py"):
+            while name and name not in files:
+                name = name.rpartition(".")[0]
+            if name and name != mod:
+                edges.add(name)
+        graph[mod] = edges
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (each a cycle of imports), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan; the graphs here are a few hundred modules deep at most
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
 def _within(name: str, packages: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in packages)
 
@@ -109,6 +181,42 @@ def test_import_checker_sees_imports_inside_functions_and_relative_ones():
         "vase.engine.cache"
     ]
     assert not _within("vase.engine2", ("vase.engine",)) and _within("vase.engine.cache", ("vase.engine",))
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert {"vase.bench.worker", "vase.bench.jobs", "vase.engine.cache"} <= set(graph)  # the walk found the modules
+    cycles = import_cycles(graph)
+    assert not cycles, (
+        "import cycles (break them, e.g. with a dispatch table of 'module:function' names):\n"
+        + "\n".join(" <-> ".join(c) for c in cycles)
+    )
+
+
+def test_cycle_checker_finds_cycles_and_ignores_type_checking_imports():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import vase.engine.policy\n"
+        "if TYPE_CHECKING:\n"
+        "    from vase.engine.cache import VaseCache\n"
+        "def f():\n"
+        "    from vase.bench import jobs\n"
+    )
+    assert runtime_imports(source, "vase.engine.layer") == [
+        "typing.TYPE_CHECKING",
+        "vase.engine.policy",
+        "vase.bench.jobs",
+    ]
+    # the bench cycle this test was written against (worker -> jobs -> worker) is found on the real sources' shape
+    worker = "def run(kind):\n    from vase.bench.jobs import run_config\n"
+    jobs = "def run_isolated(spec):\n    from vase.bench.worker import run_isolated\n"
+    graph = {
+        "vase.bench.worker": {n.rpartition(".")[0] for n in runtime_imports(worker, "vase.bench.worker")},
+        "vase.bench.jobs": {n.rpartition(".")[0] for n in runtime_imports(jobs, "vase.bench.jobs")},
+    }
+    assert import_cycles(graph) == [["vase.bench.jobs", "vase.bench.worker"]]
 
 
 def _docstring_lines(path: Path) -> list[str]:

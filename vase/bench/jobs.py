@@ -2,8 +2,11 @@
 
 A config (``spec``) is a plain dict — model, dtype, device, attn_backend, policy, budget, window, batch, prompt_len,
 output_len, warmup, repeats, seed, protocol (``full`` | ``steady``), steady_steps, warmup_steps, probe (None |
-``"start"``) — so that it travels to a worker process as JSON. Decoding goes through
-:func:`vase.engine.decode.generate` (greedy, EOS ignored); only the decode is timed.
+``"start"``), prompts — so that it travels to a worker process as JSON. With ``prompts`` = 1 every row decodes the
+same prompt through :func:`vase.engine.generate`; with more, the rows decode that many prompts of different lengths
+(:func:`vase.bench.shapes.window_stagger`: the planned prompt length and up to a window less), so each step masks
+rows to their own lengths and rows evict at different steps, through :class:`vase.engine.Decoder`. Greedy, EOS
+ignored; only the decode is timed.
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ import torch
 
 from vase.bench import REPO
 from vase.bench.measure import PeakMemory, load_1m, trimmed_mean
-from vase.bench.shapes import build_model, random_prompt, static_capacity, static_kv_bytes
+from vase.bench.shapes import (
+    build_model,
+    random_prompt,
+    staggered_requests,
+    static_capacity,
+    static_kv_bytes,
+    window_stagger,
+)
 
 if TYPE_CHECKING:
     from vase.engine import GenerationOutput
@@ -73,6 +83,7 @@ class Job:
             )
         self.model = model
         self.prompt = random_prompt(self.run_p, model.config.vocab_size, seed=spec.get("seed", 0))
+        self.lengths = window_stagger(self.run_p, spec.get("prompts") or 1, spec["window"])
         self.capacity = static_capacity(self.policy.kind, self.run_p, self.run_n, spec["budget"], spec["window"])
         self.outs: list = []  # timed runs' stats
         self.mem: PeakMemory | None = None
@@ -81,6 +92,9 @@ class Job:
     def once(self, n_new: int | None = None) -> GenerationOutput:
         """One generation (greedy, EOS ignored); ``n_new`` defaults to the planned output length."""
         from vase.engine import SamplingConfig, generate
+
+        if len(self.lengths) > 1:
+            return self.once_staggered(n_new or self.run_n)
 
         s = self.spec
         marks: dict = {}
@@ -106,6 +120,56 @@ class Job:
         if marks.get("step", 0) > 1:
             out.stats["cpu_step_seconds"] = (marks["t"] - marks["t1"]) / (marks["step"] - 1)
         return out
+
+    def once_staggered(self, n_new: int) -> GenerationOutput:
+        """:meth:`once` with the rows over prompts of :attr:`lengths` (the same stats as ``generate``'s)."""
+        from vase.engine import Decoder, GenerationOutput, SamplingConfig, cache_capacity
+
+        s = self.spec
+        marks: dict = {}
+
+        def on_step(info) -> None:  # CPU only: process CPU time after decode forwards 1 and n - 1
+            t = time.process_time()
+            if info.step == 1:
+                marks["t1"] = t
+            marks["t"], marks["step"] = t, info.step
+
+        dec = Decoder(
+            self.model,
+            self.policy,
+            rows=s["batch"],
+            capacity=cache_capacity(self.policy, self.run_p, n_new),
+            sampling=SamplingConfig(temperature=0),
+            max_new_tokens=n_new,
+            ignore_eos=True,
+            attn_backend=s.get("attn_backend", "auto"),
+            on_step=on_step if self.device.type == "cpu" else None,
+        )
+        reqs = staggered_requests(self.lengths, s["batch"], self.model.config.vocab_size, seed=s.get("seed", 0))
+        done = list(dec.run(reqs))
+        cache, steps = dec.cache, dec.stats.row_steps
+        held = sum(f.stats["held_tokens"] * f.stats["decode_steps"] for f in done)
+        stats = {
+            "prefill_seconds": dec.stats.prefill_seconds,
+            "decode_seconds": dec.stats.decode_seconds,
+            "decode_tokens": sum(len(f.tokens) for f in done),
+            "kv_cache_bytes": cache.kv_bytes(),
+            "aux_bytes": cache.aux_bytes(),
+            "capacity": dec.geometry.capacity,
+            "evictions": cache.evictions(),
+            "eviction_seconds": cache.eviction_seconds(),
+            "held_tokens": held / steps if steps else float(self.run_p),
+            "attn_backend": dec.backend,
+            "prompt_lens": self.lengths,
+        }
+        if marks.get("step", 0) > 1:
+            stats["cpu_step_seconds"] = (marks["t"] - marks["t1"]) / (marks["step"] - 1)
+        return GenerationOutput(
+            tokens=[f.tokens for f in done],
+            finish_reasons=[f.finish_reason for f in done],
+            prompt_len=self.run_p,
+            stats=stats,
+        )
 
     def warm(self) -> None:
         """The untimed warm-up runs (``warmup_steps`` decode steps each when set)."""
@@ -139,6 +203,7 @@ class Job:
         if spec.get("probe"):
             row["policy"] = f"{spec['policy']}@{spec['probe']}"
         row.update(
+            prompts=len(self.lengths),
             kind=self.policy.kind,
             run_prompt_len=self.run_p,
             run_output_len=self.run_n,

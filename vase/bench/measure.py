@@ -150,3 +150,21 @@ def proc_meminfo_total() -> int | None:
     except OSError:
         return None
     return None
+
+
+class TimeCap(RuntimeError):
+    """Raised from a decoder's ``on_step`` hook when a section's deadline has passed (:func:`deadline_hook`)."""
+
+
+def deadline_hook(deadline: float | None, then=None):
+    """An ``on_step`` hook that raises :class:`TimeCap` once ``time.perf_counter()`` passes ``deadline`` (None: never),
+    after calling ``then(info)`` if given."""
+    import time
+
+    def on_step(info) -> None:
+        if then is not None:
+            then(info)
+        if deadline is not None and time.perf_counter() > deadline:
+            raise TimeCap(f"time cap reached at decode step {info.step}")
+
+    return on_step

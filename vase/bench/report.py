@@ -30,6 +30,7 @@ CSV_COLUMNS = [
     "window",
     "batch",
     "prompt_len",
+    "prompts",
     "output_len",
     "run_prompt_len",
     "run_output_len",

@@ -110,3 +110,36 @@ def static_capacity(kind: str, prompt_len: int, output_len: int, budget: int, wi
     if kind != "eviction":
         return full
     return min(full, max(prompt_len, budget) + window)
+
+
+def staggered_requests(
+    lengths: list[int], rows: int, vocab: int, seed: int, max_new_tokens: list[int] | None = None
+) -> list:
+    """``rows`` samples over the prompts of ``lengths`` (sample ``i`` decodes prompt ``i % len(lengths)``): rows of
+    different lengths that evict at different steps, never one prompt in lockstep.
+
+    Prompt ``j`` is a random prompt of ``lengths[j]`` tokens (seed ``seed + j``); ``max_new_tokens[j]`` its output
+    cap (default: the decoder's). Returns the :class:`vase.engine.Request` s, one per prompt with samples.
+    """
+    from vase.engine import Request, sample_seeds
+
+    seeds = sample_seeds(seed, rows)
+    reqs = []
+    for j, n in enumerate(lengths):
+        mine = list(range(j, rows, len(lengths)))
+        if not mine:
+            continue
+        cap = None if max_new_tokens is None else max_new_tokens[j % len(max_new_tokens)]
+        prompt = random_prompt(n, vocab, seed=seed + j)
+        reqs.append(Request(prompt, [seeds[i] for i in mine], key=j, samples=mine, max_new_tokens=cap))
+    return reqs
+
+
+def window_stagger(longest: int, prompts: int, window: int) -> list[int]:
+    """``prompts`` lengths from ``longest`` down, ``window // prompts`` apart: rows that hold different lengths and
+    reach an eviction at different steps of the window, within one window of the planned capacity."""
+    step = max(1, window // max(prompts, 1))
+    out = [longest - j * step for j in range(prompts)]
+    if min(out) < 1:
+        raise ValueError(f"--prompts: {prompts} prompts {step} tokens apart from {longest} leave an empty one")
+    return out

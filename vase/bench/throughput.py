@@ -1,9 +1,11 @@
 """Decode throughput and memory of every cache policy on a random-weight model (the paper's protocol, method.md §5).
 
 Protocol, per (policy, budget, output length): a random prompt of ``--prompt-len`` tokens (seeded), ``--batch`` rows
-decoded together, greedy, a fixed output length with EOS ignored; ``--warmup`` untimed runs, then ``--repeats`` timed
-runs; decode tokens/s is the mean of the repeats without their min and max (plain mean when fewer than 3 repeats).
-Only the decode is timed (``vase.engine.decode.generate``'s ``decode_seconds``; the prefill is excluded).
+decoded together (with ``--prompts K``, K random prompts from ``--prompt-len`` down to a window less, row ``i`` on
+prompt ``i % K``: rows of different lengths, evicting at different steps; the ``paper14b`` preset uses 4), greedy, a
+fixed output length with EOS ignored; ``--warmup`` untimed runs, then ``--repeats`` timed runs; decode tokens/s is
+the mean of the repeats without their min and max (plain mean when fewer than 3 repeats). Only the decode is timed
+(the decoder's ``decode_seconds``; the prefill is excluded).
 
 Reported per config (CSV ``bench.csv``, plot ``bench.png``/``bench.pdf``, machine info ``machine.json``):
 
@@ -89,6 +91,7 @@ PAPER14B = dict(
     warmup_steps=72,
     time_limit=380.0,
     attn_backend="auto",
+    prompts=4,
 )
 
 
@@ -108,6 +111,7 @@ def sweep_specs(args: argparse.Namespace) -> list[dict]:
         protocol=args.protocol,
         steady_steps=args.steady_steps,
         warmup_steps=args.warmup_steps,
+        prompts=args.prompts,
     )
     kinds = {name: make_policy(name, max(args.budgets), args.window).kind for name in args.policies}
     specs = []
@@ -135,6 +139,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto", help="auto (cuda when available) | cpu | cuda[:i]")
     ap.add_argument("--policies", default=",".join(ALL_POLICIES), help="comma list of conf/policy names")
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument(
+        "--prompts",
+        type=int,
+        default=1,
+        help="different prompts per config: the rows decode prompts of the planned length and up to a window\n"
+        "less (rows of different lengths, evicting at different steps); 1: every row the same prompt",
+    )
     ap.add_argument("--output-lens", default="512,1024,2048", help="comma list of output lengths (EOS ignored)")
     ap.add_argument("--budgets", default="128", help="comma list of budgets (tokens per layer/row/KV head)")
     ap.add_argument("--window", type=int, default=32)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The first thing to run on a new GPU machine (and what a lent GPU runs first): at most 8 minutes on one GPU
+# (H100/H200 class, 80+ GB), one table:
+#   env     device, torch / CUDA / cuDNN, whether flash_attn imports, attn_backend=auto, torch's default SDPA kernel
+#           for a staggered decode call;
+#   kernel  the default SDPA dispatch against the math kernel (and FlashAttention-2 against it when it imports),
+#           rows of different lengths, prefill and decode, teacher-forced against float32 (scripts/gpu_check.py);
+#   decode  a short real decode on a Qwen3-4B-shaped random model: vase_dkv, sampled, staggered rows refilled;
+#   rows    tok/s against rows at equal KV memory, full vs vase_dkv, staggered prompts (scripts/gpu_bench_rows.py);
+#   and the peak memory of each section. Each section has a time cap (vase/bench/smoke.py: CAPS); this script stops
+#   the whole run at 470 s (SIGINT: the partial table is still printed).
+#
+# Usage:
+#   scripts/gpu_smoke.sh              # on the GPU machine; results in results/bench/gpu_smoke_<time>/
+#   scripts/gpu_smoke.sh --dry-run    # on a CPU, tiny shapes: every code path the GPU run takes but the kernels
+# PY=/path/to/python picks the interpreter (default: python).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python}
+
+if [[ "${1:-}" == "--dry-run" ]]; then
+  shift
+  exec "$PY" scripts/gpu_smoke.py --dry-run "$@"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not found"
+exec timeout --signal=INT --kill-after=10 470 "$PY" scripts/gpu_smoke.py "$@"
