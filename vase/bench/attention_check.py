@@ -109,7 +109,7 @@ class Side:
             raise ValueError(f"--stagger: {stagger} x {rows} rows leaves an empty prompt of {p} tokens")
         geometry = model_geometry(model, rows, cache_capacity(policy, p, steps), prompt_len=p)
         self.cache = VaseCache(geometry, policy, scaling=geometry.head_dim**-0.5, attn_backend=self.backend)
-        self.gens = [torch.Generator(device=device).manual_seed(s ^ 0x5EED_CAFE) for s in sample_seeds(seed, rows)]
+        self.seeds = sample_seeds(seed, rows)
         self.kept: list[tuple[int, torch.Tensor]] = []  # (layer, kept positions sorted (rows, H, n_keep))
         self.cache.on_evict = lambda layer, rids, idx, kept_p: self.kept.append(
             (layer.layer_idx, kept_p.sort(dim=-1).values.cpu())
@@ -123,7 +123,7 @@ class Side:
         out = []
         with vase_attention(self.model), self.ctx():
             for r, ids in enumerate(self.prompts):
-                self.cache.begin_prefill([r], [self.gens[r]], [r])
+                self.cache.begin_prefill([r], [self.seeds[r]], [r])
                 logits = self.model(
                     input_ids=ids.view(1, -1),
                     position_ids=torch.arange(ids.numel(), device=self.device).view(1, -1),
