@@ -12,8 +12,9 @@ and math kernel on CUDA"; the memory-efficient kernel is taken to need equal hea
 * memory-efficient: any 4-D broadcastable mask (bool or the query's dtype; a bool mask is converted with ``where``,
   a mask whose strides are not multiples of 8 is padded: both copies); fp16/bf16/fp32 on sm80+; head dims a multiple
   of 8 (fp16/bf16) or 4 (fp32) on sm80+; q/k/v storage offsets aligned to 16 bytes; equal heads.
-* cuDNN: tried first on sm90/sm100 with cuDNN > 9.15 (else after math, i.e. never); fp16/bf16; mask shape ``check_attn_mask_shape``;
-  head dim a multiple of 8, <= 128 (256 on sm90/sm100 with a recent cuDNN); ``L_k != 1``; GQA allowed.
+* cuDNN: tried first on sm90/sm100 with cuDNN > 9.15 (else after math, i.e. never); fp16/bf16; mask shape
+  ``check_attn_mask_shape``; head dim a multiple of 8, <= 128 (256 on sm90/sm100 with a recent cuDNN); ``L_k != 1``;
+  GQA allowed.
 * math: everything else — K and V cast to fp32 and, with GQA, repeated to every query head.
 """
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import platform
 
 import torch
 import torch.nn.functional as F
@@ -395,6 +396,23 @@ def probe_kernels(
         "decode_rows_in_step": sdpa_kernel_of(lambda: decode_attention(q, k, v, scale, None)),
         "decode_selection": sdpa_kernel_of(lambda: decode_attention(q, k, v, scale, selection)),
         "prefill": sdpa_kernel_of(lambda: prefill_attention(qp, k[:1], v[:1], scale)),
+    }
+
+
+def attention_report(backend: str, why: str, geometry, device: torch.device) -> dict:
+    """What a decoder's attention runs on (the run's manifest): the backend and why, the aten SDPA kernel each kind of
+    call lowers to on ``device`` for the model's heads and dtype (:func:`probe_kernels`), the name of the device in
+    use, and the CUDA and cuDNN versions. ``geometry``: a :class:`vase.engine.geometry.CacheGeometry`."""
+    g = geometry
+    cuda = device.type == "cuda"
+    return {
+        "backend": backend,
+        "backend_choice": why,
+        "sdpa_kernels": probe_kernels(g.num_q_heads, g.num_kv_heads, g.head_dim, g.dtype, device),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
     }
 
 

@@ -31,7 +31,6 @@ tests, analyses and benchmarks.
 from __future__ import annotations
 
 import logging
-import platform
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -40,7 +39,7 @@ from typing import Any
 
 import torch
 
-from vase.engine.attention import backend_choice, probe_kernels, vase_attention
+from vase.engine.attention import attention_report, backend_choice, vase_attention
 from vase.engine.cache import VaseCache, cache_capacity, to_device
 from vase.engine.geometry import model_geometry
 from vase.engine.policy import Policy
@@ -268,20 +267,8 @@ class Decoder:
         return int(limit)
 
     def attention_report(self) -> dict:
-        """What the attention runs on (recorded in the run's manifest): the backend and why, the aten SDPA kernel each
-        kind of call lowers to on this device for this model's heads and dtype (:func:`probe_kernels`), the device's
-        name, and the CUDA and cuDNN versions."""
-        g = self.geometry
-        cuda = self.device.type == "cuda"
-        return {
-            "backend": self.backend,
-            "backend_choice": self.backend_reason,
-            "sdpa_kernels": probe_kernels(g.num_q_heads, g.num_kv_heads, g.head_dim, g.dtype, self.device),
-            "device": str(self.device),
-            "device_name": torch.cuda.get_device_name(self.device) if cuda else platform.processor() or "cpu",
-            "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        }
+        """What the attention runs on, for the run's manifest (:func:`vase.engine.attention.attention_report`)."""
+        return attention_report(self.backend, self.backend_reason, self.geometry, self.device)
 
     @torch.inference_mode()
     def run(self, requests: Iterable[Request]) -> Iterator[Finished]:
@@ -339,18 +326,7 @@ class Decoder:
     def _prefill(self, req: Request, prompt, slots, samples, seeds, limit) -> Iterator[Finished]:
         t0 = time.perf_counter()
         p = prompt.numel()
-        rows = [
-            _Row(
-                key=req.key,
-                sample=s,
-                seed=seed,
-                rid=self.row_id(req.key, s),
-                limit=limit,
-                prompt_len=p,
-                first_step=self.step,
-            )
-            for s, seed in zip(samples, seeds)
-        ]
+        rows = [_Row(req.key, s, seed, self.row_id(req.key, s), limit, p, self.step) for s, seed in zip(samples, seeds)]
         finite, first = self._prefill_forward(prompt, slots, seeds, [row.rid for row in rows])
         # An admission is a sync point: the first tokens (and whether the prompt's logits are finite) reach the host.
         finite, first_host = bool(finite), first.tolist()
@@ -423,19 +399,8 @@ class Decoder:
             self.stats.decode_steps += 1
             self.stats.row_steps += n
             if self.on_step is not None:
-                self.on_step(
-                    StepInfo(
-                        self.step,
-                        n,
-                        [row.rid for row in rows],
-                        tok,
-                        cache.length,
-                        cache.evictions(),
-                        cache.eviction_seconds(),
-                        time.perf_counter() - self._t0,
-                        evicted,
-                    )
-                )
+                counts = (cache.length, cache.evictions(), cache.eviction_seconds(), time.perf_counter() - self._t0)
+                self.on_step(StepInfo(self.step, n, [row.rid for row in rows], tok, *counts, evicted))
             if pending == self.sync_every or at_limit:
                 break
         # The sync point: the tokens of the last ``pending`` steps (and their finiteness) reach the host.

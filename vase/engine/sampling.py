@@ -62,10 +62,12 @@ def candidate_distribution(logits: torch.Tensor, cfg: SamplingConfig) -> tuple[t
         candidates are the whole vocabulary in order). Restricting to the top-k first keeps sampling cheap with
         large vocabularies.
     """
-    logits = logits.float() / cfg.temperature
     ids = None
     if cfg.top_k and cfg.top_k < logits.shape[-1]:
-        logits, ids = logits.topk(cfg.top_k, dim=-1)  # sorted, descending
+        # sorted, descending; on the raw logits (a positive temperature keeps the order), so only the k candidates
+        # are converted and scaled: ~2% of a CPU decode step at 16 rows and a 152K vocabulary
+        logits, ids = logits.topk(cfg.top_k, dim=-1)
+    logits = logits.float() / cfg.temperature
     if cfg.top_p < 1.0:
         if ids is None:
             logits, ids = logits.sort(dim=-1, descending=True)
