@@ -174,7 +174,7 @@ def test_eviction_equals_masking_with_rows_of_different_lengths(model):
             model.set_attn_implementation("sdpa")
         for step in range(1, new):
             diff = (logits[rid][step - 1] - ref[p + step - 1]).abs().max().item()
-            assert diff <= 1e-4, (rid, step, diff)
+            assert diff <= 2e-5 * max(1.0, ref[p + step - 1].abs().max().item()), (rid, step, diff)  # fp32 rounding
 
 
 # ---- static memory ----------------------------------------------------------------------------------------------
@@ -301,7 +301,7 @@ def fake_flash(monkeypatch):
     module.flash_attn_func = ref.flash_attn_func
     module.flash_attn_with_kvcache = ref.flash_attn_with_kvcache
     monkeypatch.setitem(sys.modules, "flash_attn", module)
-    monkeypatch.setattr("vase.engine.decode.resolve_backend", lambda backend, device: backend)
+    monkeypatch.setattr("vase.engine.decode.backend_choice", lambda backend, device, dtype=None: (backend, "test"))
     ref.calls.clear()
     return ref
 

@@ -54,7 +54,10 @@ def test_logits_equal_unmodified_model_when_budget_exceeds_sequence(arch, backen
     ref = _reference_logits(model, prompt, out.tokens[0])
     assert len(ours) == len(ref) == 40
     diff = max((a - b).abs().max().item() for a, b in zip(ours, ref))
-    assert diff <= 1e-5, diff
+    scale = max(b.abs().max().item() for b in ref)
+    # fp32 rounding only: the decode packs each KV group's query heads into one SDPA call (attention.decode_attention),
+    # which sums in another order than transformers' per-head call (~1e-6 of the largest logit)
+    assert diff <= 1e-5 * max(1.0, scale), (diff, scale)
     # and greedy decoding agrees with transformers' own generate
     gen = model.generate(prompt.view(1, -1), max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert gen[0, prompt.numel() :].tolist() == out.tokens[0]
@@ -133,7 +136,9 @@ def test_eviction_equals_masking(arch):
     for step in range(1, new):
         i = p + step - 1
         diff = (logits[step] - ref[:, i]).abs().max().item()
-        assert diff <= 1e-4, (step, diff)
+        # fp32 rounding of ~10-sized logits after 3 layers (the same check in float64 agrees to 1e-12:
+        # tests/test_attention_kernels.py::test_eviction_equals_masking_in_float64)
+        assert diff <= 2e-5 * max(1.0, ref[:, i].abs().max().item()), (step, diff)
         if step > 1 and snapshots[step - 1][0].shape[-1] < i:
             evicted_something = True
     assert evicted_something

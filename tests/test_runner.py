@@ -227,6 +227,10 @@ def test_run_writes_a_complete_result_directory(tmp_path):
     assert metrics["kv_allocated_bytes"] == engine["kv_allocated_bytes"]
     assert metrics["kv_allocated_bytes"] == metrics["rows_in_flight"] * metrics["kv_allocated_bytes_per_row"]
     assert manifest["sampling"]["temperature"] == 1.0 and manifest["prompt_template"]
+    attention = manifest["attention"]  # what the attention ran on, probed with the real geometry (CPU here)
+    assert attention["backend"] == "sdpa" and attention["backend_choice"].startswith("auto: ")
+    assert set(attention["sdpa_kernels"].values()) == {"aten._scaled_dot_product_flash_attention_for_cpu"}
+    assert attention["device"] == "cpu" and {"device_name", "cuda", "cudnn"} <= set(attention)
     rows = read_jsonl_tolerant(run_dir / "samples.jsonl")
     assert {r["sample"] for r in rows} == {0, 1}
     assert all(r["budget"] == 32 and r["compression_ratio"] >= 1 for r in rows)

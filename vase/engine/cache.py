@@ -15,9 +15,15 @@ slot ``p % window``).
 
 Rows. Row ``r`` is a slot of the storage; rows ``[0, n_live)`` are live and decode together (the decode loop keeps
 them contiguous: a finished row's slot is given to the next pending sample, or the last live row moves into it). Each
-row has its own held length, next absolute position, eviction generator and policy state; its length is known on the
-host (so deciding to evict never synchronises with the device) and mirrored in a device tensor (for attention masks
-and FlashAttention's ``cache_seqlens``). A prompt is prefilled once (batch 1) into the rows of its samples.
+row has its own held length, next absolute position, eviction key (its random stream, :mod:`vase.engine.rng`) and
+policy state; its length is known on the host (so deciding to evict never synchronises with the device) and mirrored
+in a device tensor (for attention masks and FlashAttention's ``cache_seqlens``). A prompt is prefilled once (batch 1)
+into the rows of its samples.
+
+No host synchronisation while decoding: the row indices a step needs (the rows that evict together, a prompt's rows)
+are built once per step from the host's lists (:meth:`VaseCache.index`: a slice for a contiguous run, else one
+upload from pinned memory with ``non_blocking=True``), the masks on the device, and eviction time is measured with
+CUDA events read at the next token sync (on CPU, where timing is free, with the wall clock).
 
 The eviction scaffold (``../shared/docs/method.md`` §2), per row: after a decode step, when a row holds more than
 ``budget`` tokens and its count is a multiple of ``window``, its candidates are all held tokens but the ``window`` most
@@ -40,20 +46,78 @@ Policy-declared variants of the scaffold (:class:`~vase.engine.policy.EvictionPo
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
 
-from vase.engine.geometry import CacheGeometry, LayerCounters, aux_bytes_per_row, cache_capacity
+from vase.engine.attention import additive_mask
+from vase.engine.geometry import CacheGeometry, LayerCounters, aux_bytes_per_row, cache_capacity, span_of
 from vase.engine.layer import VaseLayer
 from vase.engine.policy import Policy
+from vase.engine.rng import EVICT_SALT, row_keys
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CacheGeometry", "VaseCache", "VaseLayer", "aux_bytes_per_row", "cache_capacity"]
+__all__ = ["CacheGeometry", "VaseCache", "VaseLayer", "aux_bytes_per_row", "cache_capacity", "to_device"]
+
+
+@functools.cache
+def _can_pin() -> bool:
+    return torch.cuda.is_available()
+
+
+def to_device(values: Sequence, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``values`` (host numbers) as a tensor on ``device`` without blocking the host.
+
+    On CUDA the host copy is allocated in pinned memory (torch's caching host allocator, which keeps the block until
+    the copy has run) and copied with ``non_blocking=True``: the copy is queued on the stream, the host goes on. A
+    pageable ``torch.tensor(values, device="cuda")`` would wait for the stream to drain first.
+    """
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    host = torch.tensor(values, dtype=dtype, pin_memory=_can_pin())
+    return host.to(device, non_blocking=True)
+
+
+class EvictionClock:
+    """Seconds spent evicting, without synchronising the device.
+
+    CPU: wall clock around the work (CPU ops run synchronously, so it is exact). CUDA: a pair of CUDA events around
+    the queued work; the intervals are read (``elapsed_time``) by :meth:`resolve`, which the decoder calls right after
+    a token sync, when every recorded event has completed. Until then their seconds are pending.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda" and _can_pin()  # a fake CUDA device (tests, CPU build): the wall clock
+        self.pending: list[tuple[Any, Any, Callable[[float], None]]] = []
+
+    def start(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, start: Any, sink: Callable[[float], None]) -> None:
+        """End the interval begun by :meth:`start`; ``sink(seconds)`` is called now (CPU) or by :meth:`resolve`."""
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pending.append((start, end, sink))
+        else:
+            sink(time.perf_counter() - start)
+
+    def resolve(self) -> None:
+        """Read the finished CUDA intervals (call after a host sync; an unfinished one waits for its end event)."""
+        pending, self.pending = self.pending, []
+        for start, end, sink in pending:
+            end.synchronize()
+            sink(start.elapsed_time(end) / 1000.0)
 
 
 class VaseCache(Cache):
@@ -64,7 +128,6 @@ class VaseCache(Cache):
         policy: the eviction / selection policy.
         scaling: the model's attention softmax scale.
         attn_backend: ``"sdpa"``, ``"eager"`` or ``"flash_attn"`` (see :func:`vase.engine.attention.resolve_backend`).
-        sync_timing: synchronise CUDA around evictions so their timing is exact (evictions only, never per step).
         check_policy_output: validate every ``keep()`` answer (shape, range, uniqueness); costs a sync per eviction.
         score_dtype: handed to eviction policies as ``EvictionInputs.score_dtype`` (their score math's dtype).
 
@@ -78,7 +141,6 @@ class VaseCache(Cache):
         policy: Policy,
         scaling: float,
         attn_backend: str = "sdpa",
-        sync_timing: bool = True,
         check_policy_output: bool = False,
         score_dtype: torch.dtype = torch.float32,
     ):
@@ -86,7 +148,6 @@ class VaseCache(Cache):
         self.policy = policy
         self.scaling = scaling
         self.attn_backend = attn_backend
-        self.sync_timing = sync_timing
         self.check_policy_output = check_policy_output
         self.score_dtype = score_dtype
         rows, device = geometry.rows, geometry.device
@@ -97,30 +158,54 @@ class VaseCache(Cache):
         self.lengths_t = torch.zeros(rows, dtype=torch.long, device=device)
         self.pos_t = torch.zeros(rows, dtype=torch.long, device=device)
         self.row_index = torch.arange(rows, device=device)
-        self.evict_generators: list[torch.Generator | None] = [None] * rows
+        self.evict_key = torch.zeros((rows, 2), dtype=torch.long, device=device)  # (rows, 2) eviction RNG keys
+        self.device = torch.device(device)
+        self.clock = EvictionClock(self.device)
         self.row_ids: list[Any] = [None] * rows  # the caller's id of each row (e.g. (problem, sample))
         self.row_evictions = [0] * rows  # eviction calls of the row, summed over layers
         self.row_eviction_seconds = [0.0] * rows
-        self.attended = torch.zeros(rows, dtype=torch.long, device=device) if policy.kind == "selection" else None
+        # selection policies: tokens attended (per KV head) summed over steps and layers
+        self.attended = torch.zeros(rows, dtype=torch.float64, device=device) if policy.kind == "selection" else None
         self.prefilling: list[int] | None = None  # rows being admitted by the current forward
         self.max_length_after_append = 0
-        self._mask: tuple[int, int, torch.Tensor] | None = None  # (n, L, (n, L) bool) for the current step
+        self._mask: tuple[int, int, torch.Tensor | None] | None = None  # (n, L, (n, L) bool) for the current step
+        self._bias: tuple[int, int, torch.dtype, torch.Tensor | None] | None = None  # the same as an additive mask
         self._seqlens: torch.Tensor | None = None
+        self._index: dict[tuple[int, ...], torch.Tensor] = {}  # this step's row index tensors (see index())
         self.on_evict = None  # optional callback(layer, row_ids, keep_idx, kept_positions) for analyses
         super().__init__(layers=[VaseLayer(i, self) for i in range(geometry.num_layers)])
 
     # ---- admission and decode steps ----------------------------------------------------------------------------
-    def begin_prefill(self, slots: Sequence[int], generators: Sequence[torch.Generator], row_ids: Sequence) -> None:
-        """The next forward is the prompt of new rows ``slots`` (free slots), with their eviction generators."""
-        for r, g, rid in zip(slots, generators, row_ids, strict=True):
-            self.evict_generators[r] = g
+    def index(self, slots: Sequence[int]) -> slice | torch.Tensor:
+        """Rows ``slots`` as an index: a slice for a contiguous run, else a device tensor built once per step.
+
+        Every layer asks for the same groups of rows (an eviction event, a selection, a prompt's rows): the tensor is
+        uploaded once (:func:`to_device`, never blocking) and reused until the next step.
+        """
+        span = span_of(slots)
+        if span is not None:
+            return span
+        key = tuple(slots)
+        idx = self._index.get(key)
+        if idx is None:
+            idx = self._index[key] = to_device(key, self.device)
+        return idx
+
+    def begin_prefill(self, slots: Sequence[int], seeds: Sequence[int], row_ids: Sequence) -> None:
+        """The next forward is the prompt of new rows ``slots`` (free slots); ``seeds``: the rows' sample seeds (their
+        eviction keys derive from them, :func:`vase.engine.rng.row_key`)."""
+        self._index = {}
+        self.clock.resolve()  # credit pending seconds before the slots change hands
+        for r, rid in zip(slots, row_ids, strict=True):
             self.row_ids[r] = rid
             self.row_evictions[r] = 0
             self.row_eviction_seconds[r] = 0.0
             for layer in self.layers:
                 layer.clear_row(r)
+        idx = self.index(slots)
+        self.evict_key[idx] = to_device(row_keys(seeds, EVICT_SALT), self.device)
         if self.attended is not None:
-            self.attended[list(slots)] = 0
+            self.attended[idx] = 0
         self.prefilling = list(slots)
 
     def end_prefill(self, prompt_len: int) -> None:
@@ -131,7 +216,7 @@ class VaseCache(Cache):
             self.lengths[r] = prompt_len
             self.next_pos[r] = prompt_len
             self.prompt_lens[r] = prompt_len
-        idx = torch.tensor(slots, device=self.lengths_t.device)
+        idx = self.index(slots)
         self.lengths_t[idx] = prompt_len
         self.pos_t[idx] = prompt_len
         self.prefilling = None
@@ -151,7 +236,9 @@ class VaseCache(Cache):
                 "this is an engine bug: the eviction trigger should have fired"
             )
         self._mask = None
+        self._bias = None
         self._seqlens = None
+        self._index = {}
 
     def seqlens_i32(self) -> torch.Tensor:
         """``(n_live,)`` int32 tokens each live row holds after this step's append (FlashAttention's cache_seqlens)."""
@@ -183,6 +270,16 @@ class VaseCache(Cache):
         self._mask = (n, length, mask)
         return mask
 
+    def length_bias(self, n: int, length: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """:meth:`length_mask` as SDPA's fused kernels take it: ``(n, 1, 1, length)`` additive, ``0`` / ``-inf`` in
+        ``dtype`` (:func:`vase.engine.attention.additive_mask`), or ``None``. Built once per decode step."""
+        if self._bias is not None and self._bias[:3] == (n, length, dtype):
+            return self._bias[3]
+        mask = self.length_mask(n, length)
+        bias = None if mask is None else additive_mask(mask[:, None, :], dtype)
+        self._bias = (n, length, dtype, bias)
+        return bias
+
     def due_rows(self) -> list[int]:
         """Live rows whose eviction trigger fires now: held > budget and the sequence length is a multiple of the
         policy's eviction period (``window`` by default, where this is "held % window == 0"; see the module doc)."""
@@ -193,7 +290,12 @@ class VaseCache(Cache):
         return [r for r in range(self.n_live) if self.lengths[r] > p.budget and self.next_pos[r] % every == 0]
 
     def evict_due(self) -> list[int]:
-        """Run the eviction trigger on every row after a decode step; return the rows that evicted."""
+        """Run the eviction trigger on every row after a decode step; return the rows that evicted.
+
+        No host synchronisation: the rows are chosen on the host, their index tensors built once for all layers
+        (:meth:`index`), the policies' noise drawn from the rows' keys (:mod:`vase.engine.rng`), the time measured by
+        :attr:`clock`.
+        """
         due = self.due_rows()
         if not due:
             return due
@@ -207,13 +309,17 @@ class VaseCache(Cache):
         budget = self.policy.budget
         for r in rows:
             self.lengths[r] = budget
-        idx = torch.tensor(rows, device=self.lengths_t.device)
-        self.lengths_t[idx] = budget
+        self.lengths_t[self.index(rows)] = budget
 
-    def record_eviction(self, slots: Sequence[int], seconds: float) -> None:
-        share = seconds / len(slots)
+    def record_eviction(self, slots: Sequence[int]) -> None:
+        """Count one eviction call for each row of ``slots``."""
         for r in slots:
             self.row_evictions[r] += 1
+
+    def credit_seconds(self, slots: Sequence[int], seconds: float) -> None:
+        """Share an eviction call's ``seconds`` among its rows (called by :attr:`clock`)."""
+        share = seconds / len(slots)
+        for r in slots:
             self.row_eviction_seconds[r] += share
 
     def add_attended(self, mask: torch.Tensor | None, num_q_heads: int) -> None:
@@ -234,17 +340,17 @@ class VaseCache(Cache):
         length = self.lengths[src]
         for layer in self.layers:
             layer.move_row(src, dst, length)
+        self.clock.resolve()  # pending seconds are credited to the row's slot before it moves
         for lst in (
             self.lengths,
             self.next_pos,
             self.prompt_lens,
-            self.evict_generators,
             self.row_ids,
             self.row_evictions,
             self.row_eviction_seconds,
         ):
             lst[dst] = lst[src]
-        for t in (self.lengths_t, self.pos_t, self.attended):
+        for t in (self.lengths_t, self.pos_t, self.evict_key, self.attended):
             if t is not None:
                 t[dst] = t[src]
         self.release(src)
@@ -254,17 +360,20 @@ class VaseCache(Cache):
 
         Its storage and length stay readable until the slot is reused (analyses inspect a cache after a decode).
         """
-        self.evict_generators[slot] = None
         self.row_ids[slot] = None
         for layer in self.layers:
             layer.clear_row(slot, scrub=scrub)
 
     def row_stats(self, slot: int) -> dict:
-        """What a finished row reports: eviction calls (summed over layers), their seconds, attended tokens."""
+        """What a finished row reports: eviction calls (summed over layers), their seconds, attended tokens.
+
+        Called when a row finishes, after a token sync (reading ``attended`` and resolving CUDA timings is free then).
+        """
+        self.clock.resolve()
         return {
             "evictions": self.row_evictions[slot],
             "eviction_seconds": self.row_eviction_seconds[slot],
-            "attended_tokens_sum": None if self.attended is None else int(self.attended[slot].item()),
+            "attended_tokens_sum": None if self.attended is None else float(self.attended[slot].item()),
         }
 
     # ---- measurements --------------------------------------------------------------------------------------
@@ -297,6 +406,7 @@ class VaseCache(Cache):
         return sum(layer.counters.evictions for layer in self.layers)
 
     def eviction_seconds(self) -> float:
+        """Seconds spent evicting, summed over layers (CUDA: the intervals resolved so far, :class:`EvictionClock`)."""
         return sum(layer.counters.eviction_seconds for layer in self.layers)
 
     def counters(self) -> list[LayerCounters]:

@@ -8,9 +8,10 @@ sample as soon as it ends:
   every live row. When nothing is pending, the last live rows move into the holes, so finished rows stop costing
   compute. Rows of different prompts hold different lengths; attention masks each row to its own tokens.
 * Position ids come from each row's true token count (``prompt_len + step``), never from the cache length.
-* Sampling: temperature / top-k / top-p, or greedy (``temperature=0``). Each row has its own seeded generators (one
-  for tokens, one for the policy's eviction randomness), so a sample's tokens do not depend on which other samples
-  share the batch.
+* Sampling: temperature / top-k / top-p, or greedy (``temperature=0``). Randomness is counter-based
+  (:mod:`vase.engine.rng`): a token's noise is a hash of the row's token key (from its seed) and the token's position,
+  a policy's eviction noise a hash of the row's eviction key, its position and the layer; all rows are drawn in one
+  batched computation, and a sample's tokens do not depend on which other samples share the batch.
 * A sample ends at an EOS token, a stop string, its length limit (``max_length - prompt_len`` new tokens), an
   optional ``stop_when`` predicate (``finish_reason="loop"``: the runner's repetition-loop stop) or a
   numerical failure (non-finite logits: ``finish_reason="nonfinite"``, its tokens kept up to the failure; the row is
@@ -18,7 +19,8 @@ sample as soon as it ends:
   (``"prompt_too_long"``).
 * Host synchronisation: tokens are copied to the host every ``sync_every`` steps (1 on CPU, where it is free; 16 on
   CUDA) and when a row reaches its length limit; new rows enter at those points. Rows that ended in between decode
-  a few extra tokens that are discarded.
+  a few extra tokens that are discarded. Between these points a step never waits for the device, evicting or not
+  (:meth:`Decoder._decode_step`; ``tests/test_gpu_path.py`` counts the syncs).
 * Hooks: ``on_step(StepInfo)`` after every decode step, ``on_logits(step, logits)`` after every forward (step 0 is a
   prefill), ``on_cache(cache)`` once.
 
@@ -37,10 +39,11 @@ from typing import Any
 
 import torch
 
-from vase.engine.attention import resolve_backend, vase_attention
-from vase.engine.cache import VaseCache, cache_capacity
+from vase.engine.attention import attention_report, backend_choice, vase_attention
+from vase.engine.cache import VaseCache, cache_capacity, to_device
 from vase.engine.geometry import model_geometry
 from vase.engine.policy import Policy
+from vase.engine.rng import TOKEN_SALT, RowRNG, row_keys
 from vase.engine.sampling import SamplingConfig, sample_tokens
 from vase.models import check_architecture
 
@@ -57,7 +60,6 @@ __all__ = [
 
 FINISH_REASONS = ("eos", "stop", "length", "loop", "nonfinite", "prompt_too_long")
 STOP_WHEN_EVERY = 16  # ``stop_when`` is asked every this many tokens of a row
-EVICT_SEED_XOR = 0x5EED_CAFE
 EMPTY_STATS = {"decode_steps": 0, "evictions": 0, "eviction_seconds": 0.0, "attended_tokens": None}
 
 
@@ -67,7 +69,7 @@ class Request:
 
     Attributes:
         prompt_ids: the prompt's token ids ``(P,)``.
-        seeds: one seed per sample (row ``i``'s token and eviction generators derive from ``seeds[i]``).
+        seeds: one seed per sample (row ``i``'s token and eviction random keys derive from ``seeds[i]``).
         key: the caller's id for the prompt (e.g. the problem id); returned with each finished sample.
         samples: the caller's index of each sample (default ``0 .. len(seeds) - 1``).
         max_new_tokens: this prompt's output cap (default: the decoder's ``max_new_tokens``); ``max_length`` always
@@ -150,7 +152,6 @@ class _Row:
     sample: int
     seed: int
     rid: Any
-    generator: torch.Generator
     limit: int
     prompt_len: int
     first_step: int
@@ -226,8 +227,10 @@ class Decoder:
         self.sampling = sampling or SamplingConfig()
         self.max_new_tokens = max_new_tokens
         self.max_length = max_length
-        self.device = next(model.parameters()).device
-        self.backend = resolve_backend(attn_backend, self.device)
+        param = next(model.parameters())
+        self.device = param.device
+        self.backend, self.backend_reason = backend_choice(attn_backend, self.device, param.dtype)
+        logger.info("attention backend: %s (%s)", self.backend, self.backend_reason)
         self.sync_every = sync_every or (16 if self.device.type == "cuda" else 1)
         self.eos = set() if ignore_eos else {int(t) for t in eos_token_ids}
         self.stop_strings = list(stop_strings)
@@ -252,6 +255,7 @@ class Decoder:
         self.step = 0
         self._slots: list[_Row | None] = [None] * rows
         self._next_tok = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self._tok_key = torch.zeros((rows, 2), dtype=torch.long, device=self.device)  # token RNG keys (rng.row_key)
         self._buf = torch.zeros((rows, self.sync_every), dtype=torch.long, device=self.device)
         self._finite = torch.ones((rows, self.sync_every), dtype=torch.bool, device=self.device)
         self._t0 = time.perf_counter()
@@ -265,6 +269,10 @@ class Decoder:
             room = self.max_length - prompt_len
             limit = room if limit is None else min(limit, room)
         return int(limit)
+
+    def attention_report(self) -> dict:
+        """What the attention runs on, for the run's manifest (:func:`vase.engine.attention.attention_report`)."""
+        return attention_report(self.backend, self.backend_reason, self.geometry, self.device)
 
     @torch.inference_mode()
     def run(self, requests: Iterable[Request]) -> Iterator[Finished]:
@@ -321,43 +329,12 @@ class Decoder:
             yield from self._prefill(req, prompt, slots, take, take_seeds, limit)
 
     def _prefill(self, req: Request, prompt, slots, samples, seeds, limit) -> Iterator[Finished]:
-        sync = self.device.type == "cuda"
         t0 = time.perf_counter()
         p = prompt.numel()
-        rows = []
-        for s, seed in zip(samples, seeds):
-            rows.append(
-                _Row(
-                    key=req.key,
-                    sample=s,
-                    seed=seed,
-                    rid=self.row_id(req.key, s),
-                    generator=torch.Generator(device=self.device).manual_seed(seed),
-                    limit=limit,
-                    prompt_len=p,
-                    first_step=self.step,
-                )
-            )
-        evict_gens = [torch.Generator(device=self.device).manual_seed(seed ^ EVICT_SEED_XOR) for seed in seeds]
-        self.cache.begin_prefill(slots, evict_gens, [row.rid for row in rows])
-        logits = self.model(
-            input_ids=prompt.view(1, -1).to(self.device),
-            position_ids=torch.arange(p, device=self.device).view(1, -1),
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=1,
-            vase_cache=self.cache,
-        ).logits[:, -1]
-        self.cache.end_prefill(p)
-        if self.on_logits is not None:
-            self.on_logits(0, logits)
-        finite = bool(torch.isfinite(logits.sum(dtype=torch.float32)))
-        first = sample_tokens(logits.expand(len(rows), -1), self.sampling, [row.generator for row in rows])
-        first_host = first.tolist()
-        idx = torch.tensor(slots, device=self.device)
-        self._next_tok[idx] = first
-        if sync:
-            torch.cuda.synchronize(self.device)
+        rows = [_Row(req.key, s, seed, self.row_id(req.key, s), limit, p, self.step) for s, seed in zip(samples, seeds)]
+        finite, first = self._prefill_forward(prompt, slots, seeds, [row.rid for row in rows])
+        # An admission is a sync point: the first tokens (and whether the prompt's logits are finite) reach the host.
+        finite, first_host = bool(finite), first.tolist()
         self.stats.prefills += 1
         self.stats.prefill_tokens += p
         self.stats.prefill_seconds += time.perf_counter() - t0
@@ -367,6 +344,33 @@ class Decoder:
             reason = self._take(row, tok, finite)
             if reason is not None:
                 yield self._finish(r, reason)
+
+    def _prefill_forward(self, prompt: torch.Tensor, slots: list[int], seeds: list[int], rids: list) -> tuple:
+        """Prefill ``prompt`` once into rows ``slots`` and sample each row's first token, without a host sync.
+
+        Returns ``(finite, first)``: a 0-d bool tensor (the prompt's last logits are finite) and the ``(k,)`` first
+        tokens, both on the device.
+        """
+        p = prompt.numel()
+        cache = self.cache
+        cache.begin_prefill(slots, seeds, rids)
+        logits = self.model(
+            input_ids=prompt.view(1, -1).to(self.device, non_blocking=True),
+            position_ids=torch.arange(p, device=self.device).view(1, -1),
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            vase_cache=cache,
+        ).logits[:, -1]
+        cache.end_prefill(p)
+        if self.on_logits is not None:
+            self.on_logits(0, logits)
+        idx = cache.index(slots)
+        self._tok_key[idx] = to_device(row_keys(seeds, TOKEN_SALT), self.device)
+        rng = RowRNG(self._tok_key[idx], cache.pos_t[idx])  # the first token's position: p
+        first = sample_tokens(logits.expand(len(slots), -1), self.sampling, rng)
+        self._next_tok[idx] = first
+        return torch.isfinite(logits.sum(dtype=torch.float32)), first
 
     def _compact(self) -> int:
         """Move the last live rows into the holes so that rows ``[0, n)`` are the live ones; return ``n``."""
@@ -378,65 +382,36 @@ class Decoder:
             self.cache.move_row(src, dst)
             self._slots[dst], self._slots[src] = self._slots[src], None
             self._next_tok[dst] = self._next_tok[src]
+            self._tok_key[dst] = self._tok_key[src]
         return n
 
     # ---- decode steps ----------------------------------------------------------------------------------------
     def _decode_until_sync(self, n: int) -> Iterator[Finished]:
         """Decode the live rows ``[0, n)`` until a sync point, then read their tokens and end the finished ones."""
         cache, rows = self.cache, self._slots[:n]
-        gens = [row.generator for row in rows]
-        sync = self.device.type == "cuda"
         t0 = time.perf_counter()
         pending = 0
         self.stats.max_live_rows = max(self.stats.max_live_rows, n)
         while True:
-            cache.prepare_step(n)
-            logits = self.model(
-                input_ids=self._next_tok[:n].view(n, 1),
-                position_ids=cache.pos_t[:n].view(n, 1),
-                cache=cache,
-                use_cache=True,
-                vase_cache=cache,
-            ).logits[:, -1]
-            cache.advance()
-            self.step += 1
-            if self.on_logits is not None:
-                self.on_logits(self.step, logits)
-            self._finite[:n, pending] = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
-            for r, row in enumerate(rows):
-                row.held_sum += cache.lengths[r]
-                row.steps += 1
-            evicted = cache.evict_due()
-            tok = sample_tokens(logits, self.sampling, gens)
-            self._next_tok[:n] = tok
-            self._buf[:n, pending] = tok
+            held, tok, evicted = self._decode_step(n, pending)
             pending += 1
             at_limit = False
-            for row in rows:
+            for r, row in enumerate(rows):
+                row.held_sum += held[r]
+                row.steps += 1
                 row.produced += 1
                 at_limit |= row.produced >= row.limit
             self.stats.decode_steps += 1
             self.stats.row_steps += n
             if self.on_step is not None:
-                self.on_step(
-                    StepInfo(
-                        self.step,
-                        n,
-                        [row.rid for row in rows],
-                        tok,
-                        cache.length,
-                        cache.evictions(),
-                        cache.eviction_seconds(),
-                        time.perf_counter() - self._t0,
-                        evicted,
-                    )
-                )
+                counts = (cache.length, cache.evictions(), cache.eviction_seconds(), time.perf_counter() - self._t0)
+                self.on_step(StepInfo(self.step, n, [row.rid for row in rows], tok, *counts, evicted))
             if pending == self.sync_every or at_limit:
                 break
+        # The sync point: the tokens of the last ``pending`` steps (and their finiteness) reach the host.
         host = self._buf[:n, :pending].tolist()
         finite = self._finite[:n, :pending].tolist()
-        if sync:
-            torch.cuda.synchronize(self.device)
+        cache.clock.resolve()  # every recorded eviction has run: read its CUDA-event time (free now)
         self.stats.decode_seconds += time.perf_counter() - t0
         for r, row in enumerate(rows):
             for tok, ok in zip(host[r], finite[r]):
@@ -444,6 +419,34 @@ class Decoder:
                 if reason is not None:
                     yield self._finish(r, reason)
                     break
+
+    def _decode_step(self, n: int, pending: int) -> tuple[list[int], torch.Tensor, list[int]]:
+        """One decode step of the live rows ``[0, n)``: forward, eviction, sampling. No host synchronisation.
+
+        The step's tokens go to ``_next_tok`` (the next input) and column ``pending`` of ``_buf`` (read at the sync
+        point). Returns the tokens each row held after the append (host), the tokens (device) and the rows that
+        evicted.
+        """
+        cache = self.cache
+        cache.prepare_step(n)
+        logits = self.model(
+            input_ids=self._next_tok[:n].view(n, 1),
+            position_ids=cache.pos_t[:n].view(n, 1),
+            cache=cache,
+            use_cache=True,
+            vase_cache=cache,
+        ).logits[:, -1]
+        cache.advance()
+        self.step += 1
+        if self.on_logits is not None:
+            self.on_logits(self.step, logits)
+        self._finite[:n, pending] = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+        held = cache.lengths[:n]
+        evicted = cache.evict_due()
+        tok = sample_tokens(logits, self.sampling, RowRNG(self._tok_key[:n], cache.pos_t[:n]))
+        self._next_tok[:n] = tok
+        self._buf[:n, pending] = tok
+        return held, tok, evicted
 
     def _take(self, row: _Row, tok: int, finite: bool) -> str | None:
         """Append a sampled token to ``row``; return its finish reason if the row ends with it."""

@@ -8,7 +8,7 @@ the rows that evict together and the in-place compaction of their storage.
 
 from __future__ import annotations
 
-import time
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,6 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from vase.engine.geometry import LayerCounters, span_of
 from vase.engine.policy import EvictionInputs, SelectionInputs
+from vase.engine.rng import RowRNG
 
 if TYPE_CHECKING:
     from vase.engine.cache import VaseCache
@@ -82,7 +83,7 @@ class VaseLayer(CacheLayerMixin):
                 self.values[span, :, :n_new] = value_states
                 self.positions[span, :, :n_new] = pos
             else:
-                idx = torch.tensor(slots, device=self.keys.device)
+                idx = owner.index(slots)
                 k = len(slots)
                 self.keys[:, :, :n_new].index_copy_(0, idx, key_states.expand(k, -1, -1, -1).contiguous())
                 self.values[:, :, :n_new].index_copy_(0, idx, value_states.expand(k, -1, -1, -1).contiguous())
@@ -133,9 +134,10 @@ class VaseLayer(CacheLayerMixin):
             slots, t = owner.prefilling, query.shape[2]
             take = min(t, w)
             ring = torch.arange(t - take, t, device=query.device) % w
-            q = query[:, :, t - take :]  # (1, Hq, take, D)
-            for r in slots:
-                self.queries[r].index_copy_(1, ring, q[0])
+            q = query[:, :, t - take :]  # (1, Hq, take, D): the same queries for every row of the prompt
+            idx = owner.index(slots)
+            rows = owner.row_index[idx]
+            self.queries[rows[:, None], :, ring[None, :]] = q.transpose(1, 2).expand(len(slots), -1, -1, -1)
             return
         n = owner.n_live
         self.queries[owner.row_index[:n], :, owner.pos_t[:n] % w] = query[:, :, 0]
@@ -155,8 +157,7 @@ class VaseLayer(CacheLayerMixin):
         n_kv, n_q = self.keys.shape[1], query.shape[1]
         masks: list[tuple[list[int], torch.Tensor | None]] = []
         for slots in self._groups(list(range(n))):
-            span = span_of(slots)
-            idx = span if span is not None else torch.tensor(slots, device=query.device)
+            idx = owner.index(slots)
             state = self._state_for(slots, idx)
             lengths_host = [owner.lengths[r] + 1 for r in slots]  # after this step's append
             mask = policy.select(
@@ -190,8 +191,7 @@ class VaseLayer(CacheLayerMixin):
             if mask is not None:
                 if mask.shape[1] != heads:
                     mask = mask.repeat_interleave(heads // mask.shape[1], dim=1)
-                span = span_of(slots)
-                full[span if span is not None else torch.tensor(slots, device=query.device)] = mask
+                full[owner.index(slots)] = mask
         held = owner.length_mask(n, length)
         if held is not None:
             full &= held[:, None, :]
@@ -255,17 +255,12 @@ class VaseLayer(CacheLayerMixin):
         owner, policy = self.owner, self.owner.policy
         window = policy.window
         n_cand, n_keep = length - window - pinned, policy.budget - window - pinned
-        sync = owner.sync_timing and self.keys.is_cuda
-        if sync:
-            torch.cuda.synchronize(self.keys.device)
-        t0 = time.perf_counter()
-        span = span_of(slots)
+        start = owner.clock.start()
+        idx = owner.index(slots)  # a slice (contiguous rows) or a device tensor built once for every layer
         rows = len(slots)
-        if span is not None:  # views of the storage: edited in place
-            idx = span
-            keys, values, positions = self.keys[span], self.values[span], self.positions[span]
+        if isinstance(idx, slice):  # views of the storage: edited in place
+            keys, values, positions = self.keys[idx], self.values[idx], self.positions[idx]
         else:  # copies of the rows, written back below
-            idx = torch.tensor(slots, device=self.keys.device)
             keys, values = self.keys.index_select(0, idx), self.values.index_select(0, idx)
             positions = self.positions.index_select(0, idx)
         queries = None if self.queries is None else self.queries[idx]
@@ -278,7 +273,8 @@ class VaseLayer(CacheLayerMixin):
             n_keep=n_keep,
             layer_idx=self.layer_idx,
             scaling=owner.scaling,
-            generators=[owner.evict_generators[r] for r in slots],
+            # noise keyed by (row's eviction key, row's position now, layer): never by its batch-mates
+            rng=RowRNG(owner.evict_key[idx], owner.pos_t[idx], stream=self.layer_idx),
             state=state,
             queries=queries,
             score_dtype=owner.score_dtype,
@@ -303,18 +299,19 @@ class VaseLayer(CacheLayerMixin):
         overlap = length - policy.budget < window
         for buf in (keys, values, positions):
             buf[:, :, dst] = buf[:, :, src].clone() if overlap else buf[:, :, src]
-        if span is None:
+        if not isinstance(idx, slice):
             self.keys.index_copy_(0, idx, keys)
             self.values.index_copy_(0, idx, values)
             self.positions.index_copy_(0, idx, positions)
-        if sync:
-            torch.cuda.synchronize(self.keys.device)
-        seconds = time.perf_counter() - t0
         self.counters.evictions += rows
-        self.counters.eviction_seconds += seconds
-        owner.record_eviction(slots, seconds)
+        owner.record_eviction(slots)
+        owner.clock.stop(start, functools.partial(self._credit_seconds, list(slots)))
         if owner.on_evict is not None:
             owner.on_evict(self, [owner.row_ids[r] for r in slots], keep, kept_p)
+
+    def _credit_seconds(self, slots: list[int], seconds: float) -> None:
+        self.counters.eviction_seconds += seconds
+        self.owner.credit_seconds(slots, seconds)
 
     # ---- rows ----------------------------------------------------------------------------------------------
     def move_row(self, src: int, dst: int, length: int) -> None:

@@ -12,7 +12,7 @@ storage and calls the policy at two hooks:
 * ``kind = "none"`` (the full cache) never evicts nor selects.
 
 Rows of one call may come from different problems (continuous batching): every input is per row, and a policy must
-treat rows independently (a row's answer may depend only on that row's tensors, its generator and its state).
+treat rows independently (a row's answer may depend only on that row's tensors, its random stream and its state).
 
 Shapes use ``B`` = rows in the call, ``H`` = KV heads, ``Hq`` = query heads, ``N`` = candidates, ``D`` = head dim.
 
@@ -37,6 +37,8 @@ from typing import ClassVar
 
 import torch
 
+from vase.engine.rng import RowRNG
+
 #: Options of every eviction policy that the engine implements (not the policy's rule), with their base defaults.
 ENGINE_OPTIONS = {"keep_prompt": False, "evict_every": None, "compress_prefill": False}
 _NO_DEFAULT = object()
@@ -60,8 +62,9 @@ class EvictionInputs:
             ``keep_prompt``, ``P`` the rows' prompt length).
         layer_idx: index of the layer.
         scaling: softmax scale of the model's attention (usually ``D ** -0.5``).
-        generators: one seeded ``torch.Generator`` per row; draw through :meth:`rand` / :meth:`randn` so that a row's
-            choice does not depend on the other rows of the batch.
+        rng: the rows' random streams (:class:`vase.engine.rng.RowRNG`), keyed by each row's eviction key, its
+            absolute position at this eviction and the layer; draw through :meth:`rand` / :meth:`randn` (one batched
+            draw for all rows) so that a row's choice does not depend on the other rows of the batch.
         state: the rows' persistent state on this layer (see the module docstring): ``{key: (B, ...) tensor}``.
         queries: ``(B, Hq, Wq, D)`` post-RoPE queries of the last ``Wq <= window`` tokens, or ``None`` when the policy
             does not declare ``needs_queries``.
@@ -70,6 +73,8 @@ class EvictionInputs:
             authors' code (docs/protocol.md).
         window_keys: ``(B, H, window, D)`` post-RoPE keys of the recent window (never evicted; for scores that compare
             the candidates with every held key, as the original R-KV's redundancy), or ``None``.
+        generators: for inputs built by hand (tests): seeded ``torch.Generator`` s, one per row, whose seeds
+            (``initial_seed()``) key ``rng`` at position 0 when ``rng`` is not given. The engine passes ``rng``.
     """
 
     keys: torch.Tensor
@@ -78,11 +83,20 @@ class EvictionInputs:
     n_keep: int
     layer_idx: int
     scaling: float
-    generators: list[torch.Generator]
+    rng: RowRNG | None = None
     state: dict = field(default_factory=dict)
     queries: torch.Tensor | None = None
     score_dtype: torch.dtype = torch.float32
     window_keys: torch.Tensor | None = None
+    generators: list[torch.Generator] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rng is None:
+            b = self.keys.shape[0]
+            seeds = [g.initial_seed() for g in self.generators] if self.generators is not None else [0] * b
+            if len(seeds) != b:
+                raise ValueError(f"EvictionInputs: {len(seeds)} generators for {b} rows")
+            self.rng = RowRNG.from_seeds(seeds, stream=self.layer_idx, device=self.keys.device)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -90,16 +104,13 @@ class EvictionInputs:
         return tuple(self.keys.shape)  # type: ignore[return-value]
 
     def rand(self, *shape: int) -> torch.Tensor:
-        """Uniform ``[0, 1)`` float32 noise of shape ``(B, *shape)``; row ``b`` comes from ``generators[b]``."""
-        return torch.stack(
-            [torch.rand(shape, generator=g, device=g.device, dtype=torch.float32) for g in self.generators]
-        ).to(self.keys.device)
+        """Uniform float32 noise in ``(0, 1)`` of shape ``(B, *shape)``: one batched draw, row ``b`` from its own stream
+        (each call is a new draw)."""
+        return self.rng.uniform(*shape)
 
     def randn(self, *shape: int) -> torch.Tensor:
-        """Standard normal float32 noise of shape ``(B, *shape)``; row ``b`` comes from ``generators[b]``."""
-        return torch.stack(
-            [torch.randn(shape, generator=g, device=g.device, dtype=torch.float32) for g in self.generators]
-        ).to(self.keys.device)
+        """Standard normal float32 noise of shape ``(B, *shape)``: one batched draw, row ``b`` from its own stream."""
+        return self.rng.normal(*shape)
 
 
 @dataclass

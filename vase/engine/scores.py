@@ -291,7 +291,7 @@ def sample_without_replacement(
     Args:
         weights: ``(..., N)`` non-negative (a negative weight counts as zero; not checked, to avoid a device sync).
         k: items to draw (``<= N``).
-        uniform: ``(..., N)`` uniform ``[0, 1)`` noise (draw it from the row's generator: ``inputs.rand``).
+        uniform: ``(..., N)`` uniform ``[0, 1)`` noise (draw it from the rows' streams: ``inputs.rand``).
         protected: ``(..., N)`` bool, always chosen (first).
         excluded: ``(..., N)`` bool, chosen only when nothing else is left.
 

@@ -5,7 +5,8 @@ Hydra's own output directory), and :func:`vase.run.runner.prepare` calls it firs
 A bad value raises one ``ValueError("<setting>: <what is wrong>, got <value>; <fix>")``; nothing is ever silently
 replaced by a default (``generation.max_length=0`` is an error, not "the task's length").
 
-Only the standard library and OmegaConf are imported here, so the command line's checks stay fast (no torch).
+Only the standard library and OmegaConf are imported here, so the command line's checks stay fast (no torch; an
+explicit ``generation.attn_backend=flash_attn`` imports flash-attn, and so torch, to check that it works).
 The choices below mirror the engine's (``vase.engine.attention.BACKENDS``, ``vase.engine.scores.SCORE_DTYPES``), the
 model loader's (``vase.models.DTYPES``) and the graders' (``tasks.grading.GRADER_RULES``); ``tests/test_checks.py``
 and ``tests/test_protocol.py`` keep them equal.
@@ -16,7 +17,6 @@ are checked when present and ignored when absent.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from collections.abc import Mapping
@@ -221,16 +221,7 @@ def _check_generation(cfg: DictConfig) -> None:
     )
     backend = _choice(cfg, f"{g}.attn_backend", ATTN_BACKENDS)
     if backend == "flash_attn":
-        device = _get(cfg, "model.device")
-        if device == "cpu":
-            _fail(f"{g}.attn_backend", "flash_attn needs a CUDA device", backend, f"use {g}.attn_backend=sdpa on CPU")
-        if importlib.util.find_spec("flash_attn") is None:
-            _fail(
-                f"{g}.attn_backend",
-                "the flash_attn package is not installed",
-                backend,
-                f"pip install '.[gpu]' or use {g}.attn_backend=auto",
-            )
+        _check_flash_attn(cfg)
     _integer(
         cfg,
         f"{g}.sync_every",
@@ -246,6 +237,26 @@ def _check_generation(cfg: DictConfig) -> None:
     if kv_memory not in (None, _ABSENT):
         parse_bytes(kv_memory, f"{g}.kv_memory")
     _choice(cfg, f"{g}.batching", BATCHING)
+
+
+def _check_flash_attn(cfg: DictConfig) -> None:
+    """An explicit ``generation.attn_backend=flash_attn`` must be able to run: CUDA, fp16/bf16, a working import."""
+    setting, fix = "generation.attn_backend", "use generation.attn_backend=auto (SDPA)"
+    if _get(cfg, "model.device") == "cpu":
+        _fail(setting, "flash_attn needs a CUDA device", "flash_attn", f"{fix} on CPU")
+    dtype = _get(cfg, "model.dtype")
+    if dtype in ("float32", "fp32"):
+        _fail(setting, f"flash_attn needs fp16 or bf16, model.dtype is {dtype}", "flash_attn", f"{fix} or bf16")
+    from vase.engine.attention import flash_attn_import_error  # imports torch: only when flash_attn is asked for
+
+    error = flash_attn_import_error()
+    if error is not None:
+        _fail(
+            setting,
+            f"flash_attn.flash_attn_interface does not import ({error})",
+            "flash_attn",
+            f"install a flash-attn built for this torch (pip install '.[gpu]'), or {fix}",
+        )
 
 
 def _check_model(cfg: DictConfig) -> None:

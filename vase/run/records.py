@@ -290,6 +290,8 @@ def write_manifest(prep, run_dir: Path, model, tokenizer, spec, dtype_reason: st
                 "dtype_choice": dtype_reason,
                 "attn_backend": dec.backend,
             },
+            # backend and why, the SDPA kernel each kind of attention call lowers to here, device name, CUDA / cuDNN
+            "attention": dec.attention_report(),
             "engine": {
                 "batching": prep.batching,
                 "rows_in_flight": plan.rows,
