@@ -156,11 +156,22 @@ class SDPACalls(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _load(name: str, budget: int = 32, window: int = 8):
+def _load(name: str, budget: int = 32, window: int = 8, model=None, tmp_path=None):
+    """Config ``name`` at ``budget``/``window``; with ``model``: gates for a policy that loads them (SeerAttention-R,
+    random, 8-token blocks) and no dense layers (Quest's first two: the tiny models have two)."""
     cfg = OmegaConf.load(CONF / f"{name}.yaml")
     cfg.budget, cfg.window = budget, window
+    if cfg.get("keep_prompt"):  # the prompt (up to 27 tokens below) is pinned: a budget that holds it and some output
+        cfg.budget = budget + 16
     if "page_size" in cfg:
         cfg.page_size = 8
+    if model is not None and "dense_layers" in cfg:
+        cfg.dense_layers = 0
+    if model is not None and "gate_path" in cfg:
+        from tests.seer_reference import write_random_gates
+
+        cfg.gate_path = str(write_random_gates(tmp_path / "gates", model.config, block_size=8))
+        cfg.block_size = 8
     return instantiate(cfg)
 
 
@@ -181,10 +192,10 @@ def gqa_model():
 
 
 @pytest.mark.parametrize("name", ALL_POLICIES)
-def test_no_sdpa_call_passes_a_mask_with_enable_gqa_and_every_call_is_fused_on_cuda(gqa_model, name):
+def test_no_sdpa_call_passes_a_mask_with_enable_gqa_and_every_call_is_fused_on_cuda(gqa_model, name, tmp_path):
     rec = SDPACalls()
     with rec:
-        _staggered_decode(gqa_model, _load(name))
+        _staggered_decode(gqa_model, _load(name, model=gqa_model, tmp_path=tmp_path))
     calls = rec.calls
     decode = [c for c, f in calls if not f["is_causal"]]
     masked = [c for c, f in calls if f["mask"]]
@@ -238,7 +249,7 @@ def test_selection_masks_through_the_engine_equal_the_eager_backend(gqa_model, n
     """Rows of different lengths, a selection per KV head (Quest) or per query head: SDPA == eager, step by step."""
     runs = {}
     for backend in ("sdpa", "eager"):
-        policy = _load("quest") if name == "quest" else PerQueryHeadSelection(budget=8)
+        policy = _load("quest", model=gqa_model) if name == "quest" else PerQueryHeadSelection(budget=8)
         steps: dict[int, torch.Tensor] = {}
         dec, done = _staggered_decode(
             gqa_model,

@@ -147,6 +147,8 @@ def load_policy(name: str):
     cfg.budget, cfg.window = BUDGET, WINDOW
     if "page_size" in cfg:
         cfg.page_size = 8
+    if "dense_layers" in cfg:  # Quest keeps its first two layers dense: the tiny model has two, select on both
+        cfg.dense_layers = 0
     return instantiate(cfg)
 
 

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from tasks.grading import GRADER_RULES
 from vase.analysis.load import GRADER_RULES as ANALYSIS_RULES
 from vase.analysis.paper import GSM8K_PILOT
+from vase.engine.rng import TOKEN_SALT, RowRNG
 from vase.engine.sampling import SamplingConfig, candidate_distribution, sample_tokens
 from vase.engine.scores import SCORE_DTYPES
 from vase.run import checks
@@ -209,8 +210,8 @@ def test_no_top_k_equals_the_authors_warper():
 def test_sampling_without_top_k_draws_from_the_nucleus_in_proportion():
     logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -8.0]]).expand(4000, -1)
     cfg = SamplingConfig(temperature=0.8, top_p=0.9, top_k=0)
-    gens = [torch.Generator().manual_seed(i) for i in range(4000)]
-    tokens = sample_tokens(logits, cfg, gens)
+    rng = RowRNG.from_seeds(range(4000), salt=TOKEN_SALT)
+    tokens = sample_tokens(logits, cfg, rng)
     freq = torch.bincount(tokens, minlength=8).double() / 4000
     want = ref_top_p(logits[:1], 0.8, 0.9)[0]
     assert (freq[want == 0] == 0).all()  # never outside the nucleus
