@@ -4,6 +4,7 @@
     python run.py policy=vase_dkv ratio=4 task=aime model=qwen3_4b
     python run.py -m policy=full,snapkv,vase_attnv task=math500      # a multirun
     python run.py -m sweep=main_table hydra/launcher=slurm          # a committed sweep on SLURM
+    torchrun --nproc-per-node 8 run.py -m sweep=main_table          # every cell data-parallel on 8 local GPUs
 
 Config groups (conf/): model, task, policy, generation, logger, sweep, hydra/launcher. Top-level keys: ratio,
 budget, window, seed, n_samples, limit, results_dir, run_dir, pass_k. Results: results/<task>/<model>/<run>/.
@@ -205,16 +206,18 @@ def main() -> None:
 
     @hydra.main(version_base="1.3", config_path="conf", config_name="config")
     def _run(cfg: DictConfig) -> float | None:
+        from vase.run.distributed import RankFailed, current_world
         from vase.run.runner import run
 
         try:
             metrics = run(cfg, progress=cfg.progress)
-        except ValueError as err:
+        except (ValueError, RankFailed) as err:  # RankFailed: another rank's error, the same line on every rank
             log.error("error: %s", err)
             if cfg.get("raise_errors", False):
                 raise
             sys.exit(2)
-        print_summary(metrics, budget_free=_budget_free(cfg))
+        if current_world().is_leader:
+            print_summary(metrics, budget_free=_budget_free(cfg))
         return metrics.get("accuracy")
 
     _run()
@@ -276,8 +279,36 @@ def print_summary(metrics: dict, budget_free: bool = False) -> None:
     print("\n".join(lines), flush=True)  # the entry script's report to the user
 
 
+def launch_overrides(argv: list[str]) -> list[str]:
+    """The command line for this process: Hydra's output directory shared by every rank of a torchrun / srun launch
+    (:func:`vase.run.distributed.hydra_overrides`); on one process ``argv`` as it is, after the one-line note a
+    CPU-only local launcher owes a machine with GPUs."""
+    from vase.run.distributed import hydra_overrides, launch_from_env, local_launcher_note
+
+    if launch_from_env() is not None:
+        return hydra_overrides(argv, lambda name, overrides: _compose(name, overrides))
+    if "hydra/launcher=local" in argv:
+        from hydra._internal.utils import get_args_parser
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        args, _ = get_args_parser().parse_known_args(argv)
+        parser = OverridesParser.create()
+        fixed = [o for o in args.overrides if not parser.parse_override(o).is_sweep_override()]
+        note = local_launcher_note(_compose(args.config_name or "config", fixed))
+        if note:
+            print(note, file=sys.stderr)
+    return argv
+
+
 if __name__ == "__main__":
     error = check_group_choices(sys.argv[1:]) or check_overrides(sys.argv[1:])
+    if not error:
+        from vase.run.distributed import RankFailed
+
+        try:
+            sys.argv[1:] = launch_overrides(sys.argv[1:])
+        except (ValueError, RankFailed) as err:
+            error = str(err)
     if error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

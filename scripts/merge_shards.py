@@ -21,7 +21,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from vase.run.records import compute_metrics  # noqa: E402
-from vase.run.results import SAMPLES, THROUGHPUT, append_jsonl, read_jsonl_tolerant, write_json  # noqa: E402
+from vase.run.results import (  # noqa: E402
+    SAMPLES,
+    THROUGHPUT,
+    append_jsonl,
+    read_jsonl_tolerant,
+    read_samples,
+    read_throughput,
+    write_json,
+)
 
 
 def merge(prefix: Path) -> dict:
@@ -41,10 +49,10 @@ def merge(prefix: Path) -> dict:
     present = {int(re.search(r"shard(\d+)of", s.name).group(1)) for s in shards}
     missing = sorted(set(range(total)) - present)
     prefix.mkdir(parents=True, exist_ok=True)
-    for name in (SAMPLES, THROUGHPUT):
+    for name, read in ((SAMPLES, read_samples), (THROUGHPUT, read_throughput)):
         (prefix / name).unlink(missing_ok=True)
         for s in shards:
-            append_jsonl(prefix / name, read_jsonl_tolerant(s / name))
+            append_jsonl(prefix / name, read(s))  # a shard run by torchrun and killed: its rank parts too
     for name in ("config.yaml", "protocol.json", "manifest.json"):
         if (shards[0] / name).exists():
             (prefix / name).write_text((shards[0] / name).read_text())

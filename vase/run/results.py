@@ -9,9 +9,14 @@ A run directory holds:
   seed;
 * ``resolved.json`` — what was actually loaded: the commit every hub dataset and model resolved to, the sha256 of
   every local data file (:func:`check_resolved`); a resumed run whose data or weights changed is refused;
-* ``samples.jsonl`` — one line per finished sample, appended and flushed (fsync) as each sample finishes;
+* ``samples.jsonl`` — one line per finished sample, appended and flushed (fsync) as each sample is graded;
 * ``throughput.jsonl`` — one line per stretch of decoding (wall times, tokens, rows in flight, memory);
-* ``metrics.json`` — written at the end (and rewritten by a resumed run); see :mod:`vase.run.records`.
+* ``metrics.json`` — written at the end (and rewritten by a resumed run); see :mod:`vase.run.records`;
+* ``ranks/`` — only while a data-parallel run (``torchrun``, :mod:`vase.run.distributed`) is under way or was killed:
+  ``rank<r>.samples.jsonl`` / ``rank<r>.throughput.jsonl``, the lines each rank appends (fsynced) as it goes. Readers
+  take the union (:func:`read_samples`, :func:`read_throughput`); at the end rank 0 folds them into the two files
+  above (:func:`fold_parts`: append, fsync, then delete) so the finished directory is a single-process one.
+* ``.lock`` — the run-directory lock (:func:`lock_run_dir`) held by the one process that owns the directory.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import logging
 import os
 import platform
 import subprocess
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -31,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 SAMPLES = "samples.jsonl"
 THROUGHPUT = "throughput.jsonl"
+RANKS = "ranks"  # the per-rank part files of a data-parallel run
+LOCK = ".lock"
 
 
 def stable_hash(obj: Any, n: int = 8) -> str:
@@ -240,3 +248,114 @@ def check_resolved(run_dir: Path, resolved: Mapping[str, Any], write: bool = Tru
     if write and (updated != stored or not path.exists()):
         write_json(path, updated)
     return updated
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the per-rank part files of a data-parallel run, and the run-directory lock
+
+
+def part_path(run_dir: Path, rank: int, name: str) -> Path:
+    """``run_dir/ranks/rank<r>.<name>``: where rank ``r`` appends its lines of ``name`` (samples or throughput)."""
+    return Path(run_dir) / RANKS / f"rank{rank}.{name}"
+
+
+def part_files(run_dir: Path, name: str) -> list[Path]:
+    """The part files of ``name`` in ``run_dir/ranks/``, in rank order."""
+    parts = Path(run_dir) / RANKS
+    if not parts.is_dir():
+        return []
+    found = {}
+    for p in parts.glob(f"rank*.{name}"):
+        rank = p.name[len("rank") : -len(name) - 1]
+        if rank.isdigit():
+            found[int(rank)] = p
+    return [found[r] for r in sorted(found)]
+
+
+def _sample_key(row: Mapping) -> tuple:
+    return (row["problem_id"], row["sample"])
+
+
+def _throughput_key(row: Mapping) -> tuple:
+    return (row.get("rank"), row.get("time"))
+
+
+def _union(run_dir: Path, name: str, key, repair: bool) -> list[dict]:
+    rows = read_jsonl_tolerant(Path(run_dir) / name, repair=repair)
+    seen = {key(r) for r in rows}
+    for part in part_files(run_dir, name):
+        for r in read_jsonl_tolerant(part, repair=repair):
+            if key(r) not in seen:
+                seen.add(key(r))
+                rows.append(r)
+    return rows
+
+
+def read_samples(run_dir: Path, repair: bool = False) -> list[dict]:
+    """Every sample of a run directory: ``samples.jsonl`` then the rank part files, each (problem, sample) once.
+
+    ``repair`` cuts a torn last line off every file (a process killed mid-write), so appends continue cleanly.
+    """
+    return _union(run_dir, SAMPLES, _sample_key, repair)
+
+
+def read_throughput(run_dir: Path, repair: bool = False) -> list[dict]:
+    """Every ``throughput.jsonl`` line of a run directory, the rank part files included (each line once)."""
+    return _union(run_dir, THROUGHPUT, _throughput_key, repair)
+
+
+def fold_parts(run_dir: Path) -> int:
+    """Fold the rank part files into ``samples.jsonl`` / ``throughput.jsonl``; return the sample lines added.
+
+    Crash-safe order: for each part, the lines not yet in the main file are appended and fsynced, and only then is
+    the part deleted. Killed in between, the next fold finds those lines already there and adds nothing twice
+    (samples are keyed by (problem_id, sample), throughput lines by (rank, time)). Sample lines are appended in
+    (problem_id, sample) order of each part.
+    """
+    added = 0
+    for name, key in ((SAMPLES, _sample_key), (THROUGHPUT, _throughput_key)):
+        parts = part_files(run_dir, name)
+        if not parts:
+            continue
+        main = Path(run_dir) / name
+        seen = {key(r) for r in read_jsonl_tolerant(main, repair=True)}
+        for part in parts:
+            new = []
+            for r in read_jsonl_tolerant(part, repair=True):
+                if key(r) not in seen:
+                    seen.add(key(r))
+                    new.append(r)
+            if name == SAMPLES:
+                new.sort(key=lambda r: (str(r["problem_id"]), r["sample"]))
+                added += len(new)
+            if new:
+                append_jsonl(main, new)  # durable before the part goes
+            part.unlink()
+    ranks = Path(run_dir) / RANKS
+    if ranks.is_dir() and not any(ranks.iterdir()):
+        ranks.rmdir()
+    return added
+
+
+@contextmanager
+def lock_run_dir(run_dir: Path) -> Iterator[None]:
+    """Hold the run directory exclusively (``fcntl.flock`` on ``run_dir/.lock``) for the ``with`` block.
+
+    A second process on the same directory gets a one-line ``ValueError`` at once instead of interleaving its
+    samples with the first one's. The lock dies with its process (``kill -9`` included): nothing to clean up.
+    """
+    import fcntl
+
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    with open(Path(run_dir) / LOCK, "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(
+                f"run_dir {run_dir} is in use by another run (its lock {LOCK} is held); wait for it to end, or set "
+                "run_dir= / results_dir= for a new run"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -33,14 +34,20 @@ from vase.engine.cache import cache_capacity
 from vase.engine.memory import auto_dtype, plan_rows
 from vase.engine.sampling import SamplingConfig, sample_seeds
 from vase.run.checks import check_settings, parse_bytes
-from vase.run.records import ThroughputLog, compute_metrics, sample_row, write_manifest
+from vase.run.distributed import World, current_world
+from vase.run.grading_pool import Grader, grade_workers
+from vase.run.loggers import NullLogger
+from vase.run.records import NOT_DECODED, ThroughputLog, compute_metrics, manifest, rank_entry, row_maker
 from vase.run.results import (
     SAMPLES,
     THROUGHPUT,
-    append_jsonl,
     check_protocol,
     check_resolved,
-    read_jsonl_tolerant,
+    fold_parts,
+    lock_run_dir,
+    part_path,
+    read_samples,
+    read_throughput,
     stable_hash,
     write_json,
 )
@@ -49,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 # Settings that do not change results: excluded from the protocol comparison on resume.
 NON_PROTOCOL_TASK_KEYS = ("limit", "shard", "num_shards", "data_dir", "max_workers")
-NON_PROTOCOL_GENERATION_KEYS = ("sync_every", "attn_backend", "batching", "max_rows", "kv_memory")
+NON_PROTOCOL_GENERATION_KEYS = ("sync_every", "attn_backend", "batching", "max_rows", "kv_memory", "grade_workers")
 
 
 def build(node: Any, what: str) -> Any:
@@ -188,50 +195,112 @@ class Work:
 
 
 def run(cfg: DictConfig, progress: bool = True) -> dict:
-    """Run (or resume) one configuration; return its metrics. See the module docstring."""
+    """Run (or resume) one configuration; return its metrics. See the module docstring.
+
+    Launched as several processes (torchrun, srun: :mod:`vase.run.distributed`), every rank calls this with the same
+    config: rank 0 owns the run directory, each rank decodes its round-robin share of the problems on its own device,
+    and rank 0 merges the ranks' samples into the one directory a single process would write. Every rank returns the
+    same metrics, or raises the same error.
+    """
+    world = current_world()
+    device = world.pick_device(str(cfg.model.get("device", "auto")))  # None with one process: model.device as set
+    with ExitStack() as held:  # rank 0 holds the run directory's lock until the metrics are written
+        prep, problems, work, done_rows, run_logger = world.leader_first(
+            "opening the run", lambda leader: _open(cfg, device, held if leader else None)
+        )
+        share = world.share(work)  # the problems with samples to decode, dealt round-robin over the ranks
+        try:
+            sessions = world.step(
+                "decoding", lambda: _decode_share(prep, work, share, done_rows, world, run_logger, progress), wait=True
+            )
+            metrics = world.leader("writing the metrics", lambda: _finish(prep, problems, sessions, run_logger))
+        except BaseException:
+            run_logger.abort()
+            raise
+    return metrics
+
+
+def _decode_share(prep: Prepared, work: list[Work], share: list[Work], done_rows, world: World, run_logger, progress):
+    """This rank's decoding and grading (dtype from the whole run's ``work``); ``None`` when it has nothing to do."""
+    import torch
+
+    if not share:
+        return None
+    rank = None if world.size == 1 else world.rank
+    spec, why = _resolved_spec(prep, work)
+    setting = prep.cfg.generation.get("grade_workers", "auto")
+    workers = grade_workers(setting, spec.resolved_device().type, torch.get_num_threads(), world.local_size)
+    path = prep.run_dir / SAMPLES if rank is None else part_path(prep.run_dir, rank, SAMPLES)
+    grader = Grader(prep.task, prep.thinking, path, *workers)
+    try:
+        return _decode(prep, share, done_rows, prep.run_dir, run_logger, progress, grader, rank, (spec, why))
+    except BaseException as err:
+        try:  # keep what was decoded: grade and write it (an interrupt: only the grades already running)
+            grader.close(drain=isinstance(err, Exception))
+        except Exception:
+            logger.exception("grading the samples decoded before the error failed")
+        raise
+
+
+def _open(cfg: DictConfig, device: str | None, held: ExitStack | None):
+    """Check everything, then (``held``: the process that owns the directory) lock and prepare the run directory.
+
+    Returns ``(prep, problems, work, done_rows, run_logger)``: ``work`` holds every problem with samples still to
+    decode (all ranks', in the dataset's order), ``done_rows`` the samples already on disk (``samples.jsonl`` and rank
+    parts); the owner's logger (W&B) is started, the other ranks get a :class:`NullLogger`.
+    """
     prep = prepare(cfg)
+    if device is not None:  # a rank of a data-parallel run: its own device (not part of the protocol)
+        prep.model_spec = replace(prep.model_spec, device=device)
     run_dir = prep.run_dir
     problems = prep.task.load()  # a missing data file fails here, before anything is written
     data = {"data": prep.task.resolved_sources()}
     check_resolved(run_dir, data, write=False)  # refuse a resume on changed data (read-only)
-    done_rows = read_jsonl_tolerant(run_dir / SAMPLES)
+    done_rows = read_samples(run_dir)
     done = {(r["problem_id"], r["sample"]) for r in done_rows}
     pending = [(p, [i for i in range(prep.n_samples) if (p.id, i) not in done]) for p in problems]
     pending = [(p, missing) for p, missing in pending if missing]
     work = _measure(prep, pending) if pending else []
+    if held is None:
+        return prep, problems, work, done_rows, NullLogger()
     logger.info(
         "run dir %s: %d problems, %d samples done, %d problems to decode", run_dir, len(problems), len(done), len(work)
     )
     run_dir.mkdir(parents=True, exist_ok=True)
+    held.enter_context(lock_run_dir(run_dir))
     check_protocol(run_dir, _with_dtype(prep, work))
     check_resolved(run_dir, data)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    read_jsonl_tolerant(run_dir / SAMPLES, repair=True)  # a torn last line (killed mid-write) is cut off
-    read_jsonl_tolerant(run_dir / THROUGHPUT, repair=True)
-
+    read_samples(run_dir, repair=True)  # a torn last line (killed mid-write) is cut off, in the rank parts too
+    read_throughput(run_dir, repair=True)
+    (run_dir / SAMPLES).touch()  # the directory is a run from now on, even before its first sample
     run_logger = build(cfg.logger, "logger")
     run_id = stable_hash({"dir": str(run_dir.resolve()), "protocol": prep.protocol}, 16)
     run_logger.start(run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True), run_id=run_id)
-    try:
-        if work:
-            _decode(prep, work, done_rows, run_dir, run_logger, progress)
-        info = {
-            "budget_source": "explicit" if prep.explicit_budget else "ratio",
-            "policy": prep.policy.name,
-            "policy_kind": prep.policy.kind,
-            "task": prep.task.name,
-            "model": prep.model_spec.key,
-            "budget": cfg.budget if prep.policy.kind != "none" else None,
-            "window": cfg.window if prep.policy.kind != "none" else None,
-            "ratio": cfg.ratio,
-            "run_dir": str(run_dir),
-        }
-        metrics = compute_metrics(run_dir, [p.id for p in problems], prep.n_samples, info, cfg.pass_k)
-        write_json(run_dir / "metrics.json", metrics)
-        run_logger.finish(metrics=metrics, run_dir=run_dir)
-    except BaseException:
-        run_logger.abort()
-        raise
+    return prep, problems, work, done_rows, run_logger
+
+
+def _finish(prep: Prepared, problems, sessions: list[dict | None], run_logger) -> dict:
+    """Rank 0 (or the one process): fold the rank parts in, write ``manifest.json`` and ``metrics.json``."""
+    cfg, run_dir = prep.cfg, prep.run_dir
+    fold_parts(run_dir)
+    decoded = [s for s in sessions if s is not None]
+    if len(sessions) > 1 and decoded:  # a data-parallel session: one manifest, one entry per rank that decoded
+        write_json(run_dir / "manifest.json", {**decoded[0], "ranks": [e for s in decoded for e in s["ranks"]]})
+    info = {
+        "budget_source": "explicit" if prep.explicit_budget else "ratio",
+        "policy": prep.policy.name,
+        "policy_kind": prep.policy.kind,
+        "task": prep.task.name,
+        "model": prep.model_spec.key,
+        "budget": cfg.budget if prep.policy.kind != "none" else None,
+        "window": cfg.window if prep.policy.kind != "none" else None,
+        "ratio": cfg.ratio,
+        "run_dir": str(run_dir),
+    }
+    metrics = compute_metrics(run_dir, [p.id for p in problems], prep.n_samples, info, cfg.pass_k)
+    write_json(run_dir / "metrics.json", metrics)
+    run_logger.finish(metrics=metrics, run_dir=run_dir)
     return metrics
 
 
@@ -294,12 +363,28 @@ def _with_dtype(prep: Prepared, work: list[Work]) -> dict:
     return {**prep.protocol, "model": {**prep.protocol["model"], "dtype": spec.dtype}}
 
 
-def _decode(prep: Prepared, work: list[Work], done_rows, run_dir: Path, run_logger, progress: bool) -> None:
+def _decode(
+    prep: Prepared,
+    work: list[Work],
+    done_rows,
+    run_dir: Path,
+    run_logger,
+    progress: bool,
+    grader: Grader,
+    rank: int | None = None,
+    resolved: tuple[Any, str] | None = None,
+) -> dict:
+    """Decode ``work`` and hand each finished sample to ``grader``; return this session's manifest.
+
+    ``rank``: a rank of a data-parallel run (throughput to its part file; only rank 0 writes ``manifest.json`` now);
+    ``None``: the one process. ``resolved``: the model spec with the run's dtype (every rank decodes in the protocol's
+    dtype), default from ``work``.
+    """
     from tqdm import tqdm
 
     cfg, policy = prep.cfg, prep.policy
-    spec, dtype_reason = _resolved_spec(prep, work)
-    check_resolved(run_dir, {"model": spec.resolve()})  # refuse a resume on changed weights
+    spec, dtype_reason = resolved or _resolved_spec(prep, work)
+    check_resolved(run_dir, {"model": spec.resolve()}, write=rank in (None, 0))  # refuse a resume on changed weights
     t_load = time.perf_counter()
     model, tokenizer = spec.load()
     logger.info("model %s loaded in %.1f s (%s, %s)", spec.name, time.perf_counter() - t_load, spec.dtype, dtype_reason)
@@ -320,8 +405,18 @@ def _decode(prep: Prepared, work: list[Work], done_rows, run_dir: Path, run_logg
     left = {w.problem.id: len(w.missing) for w in work}
     correct = [bool(r["correct"]) for r in done_rows]
     total = sum(len(w.missing) for w in work)
-    bar = tqdm(total=total, desc=f"{prep.task.name}/{policy.name}", unit="sample", disable=not progress)
-    manifest_written = False
+    name = f"{prep.task.name}/{policy.name}" + ("" if rank is None else f" [rank {rank}]")
+    bar = tqdm(total=total, desc=name, unit="sample", disable=not progress, position=rank or 0)
+    meter: ThroughputLog | None = None
+
+    def on_row(row: dict) -> None:  # a graded sample's line is durable: the bar counts it
+        correct.append(row["correct"])
+        bar.update(1)
+        if meter is not None:
+            meter.sample(bar, correct, run_logger)
+
+    grader.on_row = on_row
+    session: dict = {}
     for group, rows in plans + ([(too_long, 1)] if too_long else []):
         capacity = max(cache_capacity(policy, len(w.ids), max(1, limits[w.problem.id])) for w in group)
         geometry = model_geometry(model, 1, capacity, prompt_len=max(len(w.ids) for w in group))
@@ -345,37 +440,45 @@ def _decode(prep: Prepared, work: list[Work], done_rows, run_dir: Path, run_logg
             sync_every=cfg.generation.sync_every,
             on_cache=None if recorder is None else recorder.attach,
         )
-        if not manifest_written:
-            write_manifest(prep, run_dir, model, tokenizer, spec, dtype_reason, dec, plan, stop)
-            manifest_written = True
-        meter = ThroughputLog(run_dir, dec)
+        if not session:
+            session = manifest(prep, model, tokenizer, spec, dtype_reason, dec, plan, stop)
+            session.update(grading=grader.describe(), ranks=[rank_entry(rank, dec, model, plan, total, grader.mode)])
+            if rank in (None, 0):
+                write_json(run_dir / "manifest.json", session)
+        decoded = meter.decoded if meter is not None else 0
+        meter = ThroughputLog(run_dir, dec, None if rank is None else part_path(run_dir, rank, THROUGHPUT), rank)
+        meter.decoded = decoded
         if rows is None or len(plans) <= 1:
             logger.info(
-                "decoding %d samples: %d rows in flight (%s), %d slots per row, %.1f MiB of KV storage",
+                "decoding %d samples: %d rows in flight (%s), %d slots per row, %.1f MiB of KV storage; grading %s",
                 sum(len(w.missing) for w in group),
                 plan.rows,
                 plan.reason,
                 capacity,
                 dec.geometry.kv_bytes / 2**20,
+                grader.mode,
             )
         requests = [Request(w.ids, [w.seeds[i] for i in w.missing], key=w.problem.id, samples=w.missing) for w in group]
-        dec.on_step = lambda info, m=meter: m.step(bar, info)
+        dec.on_step = lambda info, m=meter: (m.step(bar, info), grader.poll())  # write the grades that came back
         try:
             for fin in dec.run(requests):
                 w = by_id[fin.key]
-                row = _grade(prep, w, fin, tokenizer, dec)
-                append_jsonl(run_dir / SAMPLES, [row])  # durable before the next sample
-                correct.append(row["correct"])
+                text = tokenizer.decode(fin.tokens, skip_special_tokens=True)
+                meter.decoded += 1
+                make_row = row_maker(prep, w.problem, fin, text, dec.geometry.bytes_per_token)
+                grader.submit(w.problem, text, make_row, grade=fin.finish_reason not in NOT_DECODED)  # line once graded
                 left[fin.key] -= 1
                 if recorder is not None and left[fin.key] == 0:
                     from vase.run.kept_sets import kept_sets_path
 
                     recorder.dump(kept_sets_path(run_dir, fin.key), recorder.take(fin.key))
-                bar.update(1)
-                meter.sample(bar, correct, run_logger)
         finally:
             meter.flush()
+    grader.close()  # wait for the last grades
+    if meter is not None:
+        meter.show(bar)
     bar.close()
+    return session
 
 
 def _loop_stop(tokenizer):
@@ -388,24 +491,3 @@ def _loop_stop(tokenizer):
         return has_loop(tokenizer.decode(tokens[-tail_tokens:], skip_special_tokens=True))
 
     return stop
-
-
-def _grade(prep: Prepared, w: Work, fin, tokenizer, dec: Decoder) -> dict:
-    """Decode, grade and describe one finished sample."""
-    text = tokenizer.decode(fin.tokens, skip_special_tokens=True)
-    grade = None
-    if fin.finish_reason not in ("prompt_too_long", "nonfinite"):
-        grade = prep.task.grade_many([(w.problem, text)], thinking=prep.thinking)[0]
-    evicts = prep.policy.kind == "eviction"
-    return sample_row(
-        w.problem,
-        fin,
-        text,
-        grade,
-        thinking=prep.thinking,
-        budget=prep.cfg.budget if prep.policy.kind != "none" else None,
-        window=prep.cfg.window,
-        evicts=evicts,
-        bytes_per_token=dec.geometry.bytes_per_token,
-        max_length=prep.max_length,
-    )
