@@ -132,8 +132,8 @@ def test_two_ranks_equal_one_process(tmp_path):
     ]
     assert sum(e["samples"] for e in ranks) == 8 and all(e["rows_in_flight"] >= 1 for e in ranks)
     (hydra_dir,) = (tmp_path / "dp" / ".hydra").glob("*/*")  # one directory for both ranks: rank 0's ${now:}
-    assert (hydra_dir / ".hydra" / "config.yaml").exists()
-    assert (hydra_dir / "run.log").exists() and (hydra_dir / "run_rank1.log").exists()
+    assert (hydra_dir / ".hydra" / "config.yaml").exists() and (hydra_dir / "run.log").exists()
+    assert (hydra_dir / "rank1" / ".hydra" / "config.yaml").exists() and (hydra_dir / "rank1" / "run.log").exists()
 
 
 @needs_data
@@ -151,11 +151,12 @@ def test_a_two_rank_sweep_equals_single_process_runs(tmp_path):
         dp = tmp_path / "dp" / single[policy].relative_to(tmp_path / "one")
         _assert_same_run(dp, single[policy])
         assert [e["rank"] for e in json.loads((dp / "manifest.json").read_text())["ranks"]] == [0, 1]
-    # Hydra: one sweep directory for both ranks (rank 0's time), Hydra's files from rank 0, a log per rank
+    # Hydra: one sweep directory (rank 0's time), rank 1's own files in its rank1/ subdirectory
     (sweep,) = (tmp_path / "dp" / ".hydra" / "multirun").glob("*/*")
-    for job in range(len(policies)):
-        assert (sweep / str(job) / ".hydra" / "config.yaml").exists()
-        assert (sweep / str(job) / "run.log").exists() and (sweep / str(job) / "run_rank1.log").exists()
+    for where in (sweep, sweep / "rank1"):
+        assert (where / "multirun.yaml").exists()
+        for job in range(len(policies)):
+            assert (where / str(job) / ".hydra" / "config.yaml").exists() and (where / str(job) / "run.log").exists()
 
 
 @needs_data

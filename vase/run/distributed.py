@@ -34,9 +34,9 @@ that hangs is given up after :data:`TIMEOUT_ENV` seconds (setup and metrics) or 
 for the slowest rank to finish decoding).
 
 Hydra: every rank runs Hydra. Rank 0 resolves Hydra's output directory (its ``${now:}``) and sends it to the others
-(:func:`hydra_overrides`), so they all use one directory; rank 0 writes Hydra's ``.hydra/`` files there and the
-others only their own log file (``run_rank<r>.log``). Under torchrun only Hydra's basic launcher makes sense (the
-ranks walk the sweep's jobs in the same order); a submitit launcher is refused.
+(:func:`hydra_overrides`): rank 0 writes its Hydra files and log there, rank ``r`` in its subdirectory ``rank<r>/``
+(rank-local files, nothing written twice). Under torchrun only Hydra's basic launcher makes sense (the ranks walk the
+sweep's jobs in the same order); a submitit launcher is refused.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -355,8 +356,8 @@ def hydra_overrides(argv: list[str], compose: Callable[[str, list[str]], Any]) -
 
     Rank 0 composes the command line (``compose(config_name, overrides)``, the sweep's values left out as Hydra
     does for its sweep directory) and resolves ``hydra.run.dir`` / ``hydra.sweep.dir`` (their ``${now:}`` included);
-    every rank appends them as overrides. Ranks other than 0 write no ``.hydra/`` files and log to
-    ``run_rank<r>.log``. A submitit launcher under torchrun is refused (one line). One process: ``argv`` unchanged.
+    rank 0 uses them as they are, rank ``r`` their subdirectory ``rank<r>/`` (its own Hydra files and log, next to
+    rank 0's). A submitit launcher under torchrun is refused (one line). One process: ``argv`` unchanged.
     """
     world = current_world()
     if world.size == 1:
@@ -379,11 +380,10 @@ def hydra_overrides(argv: list[str], compose: Callable[[str, list[str]], Any]) -
         return {"run": str(cfg.hydra.run.dir), "sweep": str(cfg.hydra.sweep.dir)}
 
     dirs = world.leader("starting Hydra", resolve)
+    if not world.is_leader:  # rank-local Hydra files: its own config, overrides, multirun.yaml and log, no races
+        dirs = {k: str(Path(v) / f"rank{world.rank}") for k, v in dirs.items()}
     kept = [a for a in argv if not re.match(r"^[+~]*hydra\.(run|sweep)\.dir=", a)]
-    extra = [f"hydra.run.dir={_quote(dirs['run'])}", f"hydra.sweep.dir={_quote(dirs['sweep'])}"]
-    if not world.is_leader:
-        extra += ["hydra.output_subdir=null", f"hydra.job.name=run_rank{world.rank}"]
-    return kept + extra
+    return [*kept, f"hydra.run.dir={_quote(dirs['run'])}", f"hydra.sweep.dir={_quote(dirs['sweep'])}"]
 
 
 def gpus_on_machine() -> int:
