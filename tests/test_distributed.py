@@ -51,6 +51,20 @@ DP = [
     "generation.max_length=130",
     "progress=false",
 ]
+# Three generated gsm_symbolic problems (prompts of 80, 106 and 101 tokens), two samples each: rank 0 decodes problems
+# 0 and 2, rank 1 problem 1. Sampled (temperature 1), float32.
+SMALL = [
+    "model=tiny",
+    "task=gsm_symbolic",
+    "logger=none",
+    "limit=3",
+    "n_samples=2",
+    "budget=32",
+    "window=16",
+    "generation.max_length=116",
+    "generation.grade_workers=0",
+    "progress=false",
+]
 # Wall-clock numbers, and the engine's sizing, which follows each rank's own share (rows, KV allocation).
 PER_SESSION = {
     "decode_seconds",
@@ -116,9 +130,10 @@ def _assert_same_run(dp: Path, single: Path) -> None:
 
 @needs_data
 @needs_torchrun
+@pytest.mark.slow
 def test_two_ranks_equal_one_process(tmp_path):
-    """The CI form: ``torchrun --nproc-per-node 2 run.py policy=vase_attnv ...`` writes the directory the single
-    process writes (same name, same samples, same metrics, one manifest entry per rank)."""
+    """``torchrun --nproc-per-node 2 run.py policy=vase_attnv ...`` writes the directory the single process writes
+    (same name, same samples, same metrics, one manifest entry per rank; one Hydra directory, rank 1's in rank1/)."""
     r = _torchrun(["policy=vase_attnv", *DP, f"results_dir={tmp_path / 'dp'}"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(re.findall(r"^accuracy\s", r.stdout, re.M)) == 1  # rank 0 prints the summary, rank 1 does not
@@ -184,11 +199,9 @@ def test_a_rank_killed_mid_run_resumes_to_the_single_process_run(tmp_path):
     _assert_same_run(run_dir, single)
 
 
-@needs_data
 @needs_torchrun
-@pytest.mark.slow
 def test_a_launcher_under_torchrun_is_refused_on_every_rank_before_anything_is_written(tmp_path):
-    r = _torchrun(["-m", "hydra/launcher=local", *DP, f"results_dir={tmp_path}"])
+    r = _torchrun(["-m", "hydra/launcher=local", *SMALL, f"results_dir={tmp_path}"])
     assert r.returncode != 0
     errors = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert len(errors) == 2 and len(set(errors)) == 1 and "the basic launcher" in errors[0]
@@ -196,13 +209,67 @@ def test_a_launcher_under_torchrun_is_refused_on_every_rank_before_anything_is_w
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# the ranks agree: every rank raises the same error, none waits for ever
+# the CI form: two ranks as two spawned processes calling run() (the runner's whole data-parallel path, without
+# torchrun's agent and run.py's Hydra handling, which the slow tests above cover), on gsm_symbolic (no shared data)
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _run_rank(rank: int, port: int, overrides: list[str], queue) -> None:
+    from vase.run import distributed
+    from vase.run.runner import run
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
+    distributed._WORLD = None  # forked from the test process: this process is a rank of its own
+    try:
+        queue.put((rank, run(_compose(overrides), progress=False)))
+    except Exception as err:  # reported, not hung
+        queue.put((rank, repr(err)))
+    finally:
+        queue.close()
+        queue.join_thread()
+        os._exit(0)  # a forked child: no pytest teardown
+
+
+def test_two_ranks_write_the_directory_one_process_writes(tmp_path):
+    """The ranks are forked from the test process (they share its imports, so the test fits CI's CPU budget) before
+    anything here starts the process group or the tokenizer's threads."""
+    import reasoning_gym  # noqa: F401  (imported once, before the fork)
+
+    from vase.run.runner import run
+
+    overrides = [*SMALL, "policy=vase_attnv"]
+    ctx = multiprocessing.get_context("fork")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [
+        ctx.Process(target=_run_rank, args=(r, port, [*overrides, f"results_dir={tmp_path / 'dp'}"], queue))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert isinstance(results[0], dict), results
+    assert results[0] == results[1]  # every rank returns rank 0's metrics
+    single = Path(run(_compose([*overrides, f"results_dir={tmp_path / 'one'}"]), progress=False)["run_dir"])
+    dp = Path(results[0]["run_dir"])
+    assert dp.relative_to(tmp_path / "dp") == single.relative_to(tmp_path / "one")
+    assert _samples(dp) == _samples(single) and len(_samples(dp)) == 6
+    assert _metrics(dp) == _metrics(single)
+    assert not (dp / "ranks").exists()
+    ranks = json.loads((dp / "manifest.json").read_text())["ranks"]
+    assert [(e["rank"], e["device"], e["samples"]) for e in ranks] == [(0, "cpu", 4), (1, "cpu", 2)]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the ranks agree: every rank raises the same error, none waits for ever
 
 
 def _rank_main(rank: int, port: int, queue) -> None:
