@@ -5,6 +5,7 @@
     python run.py -m policy=full,snapkv,vase_attnv task=math500      # a multirun
     python run.py -m sweep=main_table hydra/launcher=slurm          # a committed sweep on SLURM
     python run.py protocol=paper task=math500 model=qwen3_4b        # the authors' protocol knob for knob
+    torchrun --nproc-per-node 8 run.py -m sweep=main_table          # every cell data-parallel on 8 local GPUs
 
 Config groups (conf/): model, task, policy, generation, protocol (default | paper: docs/protocol.md), pilot_row,
 logger, sweep, hydra/launcher. Top-level keys: ratio, budget, window, seed, n_samples, limit, results_dir, run_dir,
@@ -13,9 +14,12 @@ pass_k. Results: results/<task>/<model>/<run>/. Rerunning the same command resum
 Before Hydra starts (so nothing is written, not even Hydra's own directory), every cell of the command line (one run,
 or every job of a multirun: the product of the swept values, the sweep file's included) is composed with Hydra's
 compose API and checked: first every setting (:func:`check_overrides`, :mod:`vase.run.checks`, no torch), then
-everything a run checks before it writes (:func:`check_runs`, :func:`vase.run.runner.plan`: the policy's and the task's
-fields, the data, the run directory, the model's config, the device, the memory). A typo or a bad value is one line on
-stderr with a did-you-mean or the fix, exit code 2.
+everything a run checks before it writes (:func:`check_runs`, :func:`vase.run.planning.plan`: the policy's and the
+task's fields, the data, the run directory, the model's config, the device, the memory). A typo or a bad value is one
+line on stderr with a did-you-mean or the fix, exit code 2. Under ``torchrun`` (or ``srun`` with several tasks) rank 0
+runs these checks and every rank prints its verdict (:func:`check_command`); each cell then runs data-parallel on
+every rank (:mod:`vase.run.distributed`), and a cell that fails fails on every rank with the same line while the sweep
+goes on.
 
 Exit codes: 0 done; 2 bad input (one line, nothing written); 1 a failure while running (one line for the machine's:
 disk full, permissions; a traceback for a bug), or a multirun in which a job failed (the other jobs ran; every job's
@@ -248,7 +252,7 @@ def _in_cell(cell: list[str], cells: list[list[str]], message: str) -> str:
 
 
 def check_runs(argv: list[str]) -> str | None:
-    """Everything each job will check before it writes (:func:`vase.run.runner.plan`), for every cell, before Hydra
+    """Everything each job will check before it writes (:func:`vase.run.planning.plan`), for every cell, before Hydra
     starts; and Hydra's own output directory. Run after :func:`check_overrides` passed. The device and memory checks
     are skipped for a SLURM launch (its nodes check them); a single run also checks that no other run holds its
     directory. ``None`` when every cell would start."""
@@ -259,8 +263,8 @@ def check_runs(argv: list[str]) -> str | None:
     args, cells = _checked["args"], _checked["cells"]
     if args.cfg or args.info or args.resolve or args.package:
         return None
-    from vase.run.results import check_writable, probe_lock
-    from vase.run.runner import plan
+    from vase.run.planning import plan
+    from vase.run.rundir import check_writable, probe_lock
 
     handler = logging.StreamHandler(sys.stderr)  # warnings of the checks, before Hydra configures logging
     handler.setFormatter(logging.Formatter("[%(asctime)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S"))
@@ -364,16 +368,42 @@ def print_summary(metrics: dict, budget_free: bool = False) -> None:
     print("\n".join(lines), flush=True)  # the entry script's report to the user
 
 
-def _resume_hint() -> str:
-    command = shlex.join(["python", "run.py", *sys.argv[1:]])
-    return f"interrupted: every finished sample is saved; rerun the same command to resume: {command}"
+def launch_overrides(argv: list[str]) -> list[str]:
+    """The command line for this process: Hydra's output directory shared by every rank of a torchrun / srun launch
+    (:func:`vase.run.distributed.hydra_overrides`; a submitit launcher there is refused in one line); on one process
+    ``argv`` as it is, after the one-line note a CPU-only local launcher owes a machine with GPUs."""
+    from vase.run.distributed import hydra_overrides, launch_from_env, local_launcher_note
+
+    if launch_from_env() is not None:
+        return hydra_overrides(argv, lambda name, overrides: _compose(name, overrides))
+    if "hydra/launcher=local" in argv:
+        from hydra._internal.utils import get_args_parser
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        args, _ = get_args_parser().parse_known_args(argv)
+        parser = OverridesParser.create()
+        fixed = [o for o in args.overrides if not parser.parse_override(o).is_sweep_override()]
+        note = local_launcher_note(_compose(args.config_name or "config", fixed))
+        if note:
+            print(note, file=sys.stderr)
+    return argv
 
 
-if __name__ == "__main__":
-    try:
-        raise_errors = any(a.replace(" ", "") in ("raise_errors=true", "raise_errors=True") for a in sys.argv[1:])
+def check_command(argv: list[str]) -> tuple[str | None, int]:
+    """Every check before Hydra starts, and the command line Hydra gets: ``(one-line error or None, exit code)``.
+
+    The checks (:func:`check_group_choices`, :func:`check_overrides`, :func:`check_runs`) run in one process: the one
+    process, or rank 0 of a torchrun / srun launch, which hands its verdict to every rank (the process group starts
+    here), so a bad cell is the same one line on every rank before any of them writes anything. Then every rank gets
+    rank 0's Hydra output directory (:func:`launch_overrides`). A bug in a check keeps its traceback.
+    """
+    from vase.run.distributed import RankFailed, current_world
+
+    raise_errors = any(a.replace(" ", "") in ("raise_errors=true", "raise_errors=True") for a in argv)
+
+    def first_error(check) -> str | None:
         try:
-            error = check_group_choices(sys.argv[1:]) or check_overrides(sys.argv[1:]) or check_runs(sys.argv[1:])
+            return check()
         except Exception as err:
             if raise_errors:
                 raise
@@ -382,11 +412,49 @@ if __name__ == "__main__":
             kind, line, _ = classify(err)
             if kind == "bug":
                 raise
-            error = line
+            return line
+
+    try:
+        world = current_world()
+        cheap = lambda: check_group_choices(argv) or check_overrides(argv)  # noqa: E731
+        error = world.leader("checking the command line", lambda: first_error(cheap))
+        if error is None:
+            sys.argv[1:] = launch_overrides(argv)
+            error = world.leader("checking every run", lambda: first_error(lambda: check_runs(argv)))
+    except ValueError as err:  # the launcher's environment, or a submitit launcher under torchrun
+        error = _one_line(err)
+    except RankFailed as err:  # rank 0 failed (its traceback is in its log), or a rank was lost
+        return _one_line(err), 1
+    return error, 2
+
+
+def _resume_hint(argv: list[str]) -> str:
+    from vase.run.distributed import launch_from_env
+
+    try:
+        launch = launch_from_env()
+    except ValueError:
+        launch = None
+    if launch is None:
+        command = shlex.join(["python", "run.py", *argv])
+    elif launch.source == "torchrun":
+        command = shlex.join(["torchrun", "--nproc-per-node", str(launch.size), "run.py", *argv])
+    else:
+        command = f"srun ... python {shlex.join(['run.py', *argv])}"
+    return f"interrupted: every finished sample is saved; rerun the same command to resume: {command}"
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    try:
+        error, code = check_command(argv)
         if error:
             print(f"error: {error}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(code)
         main()
     except KeyboardInterrupt:
-        print(_resume_hint(), file=sys.stderr)
+        from vase.run.sweep import is_leader
+
+        if is_leader():
+            print(_resume_hint(argv), file=sys.stderr)
         sys.exit(130)

@@ -11,13 +11,17 @@ The argument is the common prefix of the shard directories (``<prefix>-shard<i>o
   being written right now) is refused in one line, exit code 2, before anything is written;
 * ``samples.jsonl`` of ``<prefix>`` is only appended to: the samples it holds stay as they are (e.g. an unsharded run
   of a larger ``limit``), and each shard sample it does not hold yet, keyed by (problem, sample), is added. A sample is
-  the same whatever limit or sharding produced it (it is seeded by its problem's id), so the union is the run;
-* ``throughput.jsonl`` keeps ``<prefix>``'s own lines and gets each shard's lines, tagged ``merged_from``;
+  the same whatever limit or sharding produced it (it is seeded by its problem's id), so the union is the run. A
+  shard (or the target) run by ``torchrun`` and killed holds part of its samples in rank part files (``ranks/``):
+  they are read with its ``samples.jsonl`` (:func:`vase.run.results.read_samples`); the target's own parts stay where
+  they are, for its run to fold in when it resumes;
+* ``throughput.jsonl`` keeps ``<prefix>``'s own lines and gets each shard's lines (its parts' too), tagged
+  ``merged_from``;
   ``config.yaml``, ``protocol.json``, ``manifest.json`` come from shard 0 when ``<prefix>`` has none;
 * ``metrics.json`` is recomputed over every sample of ``<prefix>``; missing shards are reported and make it say
   ``complete: false``.
 
-The merge holds ``<prefix>``'s writer's lock (:func:`vase.run.results.lock_run_dir`), and rerunning it after a shard
+The merge holds ``<prefix>``'s writer's lock (:func:`vase.run.rundir.lock_run_dir`), and rerunning it after a shard
 grew adds only the new samples.
 """
 
@@ -40,15 +44,14 @@ from vase.run.results import (  # noqa: E402
     THROUGHPUT,
     append_jsonl,
     check_resolved,
-    check_run_dir,
     diff_protocol,
-    lock_run_dir,
-    probe_lock,
     read_json,
     read_jsonl_tolerant,
     read_samples,
+    read_throughput,
     write_json,
 )
+from vase.run.rundir import check_run_dir, lock_run_dir, probe_lock  # noqa: E402
 
 
 def merge(prefix: Path) -> dict:
@@ -86,8 +89,9 @@ def merge(prefix: Path) -> dict:
                 f"{prefix}: already holds a run with another protocol ({'; '.join(diffs)}); nothing was merged, "
                 "nothing changed. Merge into another directory: copy the shards to their own prefix"
             )
-    shard_rows = {s.name: read_samples(s / SAMPLES) for s in shards}
-    held = read_samples(prefix / SAMPLES)  # validated before anything is written
+    # each shard's samples.jsonl and, for a shard run by torchrun and killed, its rank part files (the union)
+    shard_rows = {s.name: read_samples(s) for s in shards}
+    held = read_samples(prefix)  # validated before anything is written
     for s in shards:
         if (s / RESOLVED).is_file():
             check_resolved(prefix, read_json(s / RESOLVED), write=False)
@@ -99,7 +103,7 @@ def merge(prefix: Path) -> dict:
         for name in (PROTOCOL, "config.yaml", "manifest.json"):
             if not (prefix / name).exists() and (shards[0] / name).exists():
                 (prefix / name).write_bytes((shards[0] / name).read_bytes())
-        held = read_samples(prefix / SAMPLES, repair=True)
+        held = read_samples(prefix, repair=True)  # with the target's own rank parts, if a torchrun run there was killed
         have = {(r["problem_id"], r["sample"]) for r in held}
         new = []
         for s in shards:
@@ -109,7 +113,7 @@ def merge(prefix: Path) -> dict:
                     new.append(r)
         append_jsonl(prefix / SAMPLES, new)  # appended: what the target held stays, byte for byte
         own = [r for r in read_jsonl_tolerant(prefix / THROUGHPUT, repair=True) if "merged_from" not in r]
-        merged = [{**r, "merged_from": s.name} for s in shards for r in read_jsonl_tolerant(s / THROUGHPUT)]
+        merged = [{**r, "merged_from": s.name} for s in shards for r in read_throughput(s)]
         tmp = prefix / (THROUGHPUT + ".tmp")
         tmp.unlink(missing_ok=True)
         append_jsonl(tmp, own + merged)
@@ -121,7 +125,7 @@ def _metrics(prefix: Path, shards: list[Path], total: int, protocol: dict) -> di
     present = {int(re.search(r"shard(\d+)of", s.name).group(1)) for s in shards}
     missing = sorted(set(range(total)) - present)
     shard_metrics = [read_json(s / "metrics.json") for s in shards if (s / "metrics.json").exists()]
-    ids = sorted({r["problem_id"] for r in read_samples(prefix / SAMPLES)})
+    ids = sorted({r["problem_id"] for r in read_samples(prefix)})
     keys = ("policy", "task", "model", "budget", "window", "ratio")
     info = {k: shard_metrics[0].get(k) for k in keys} if shard_metrics else {}
     info["run_dir"] = str(prefix)

@@ -74,7 +74,7 @@ def decode(args, spec, task, layers: list[int], bits: list[int], groups: list[in
 
     from vase.analysis.value_analysis import capture_values, token_records
     from vase.engine import SamplingConfig
-    from vase.run.runner import eos_ids
+    from vase.run.decoding import eos_ids
 
     problems = task.load()
     if spec.dtype == "auto":  # one row decodes at a time: the runner's rule for model.dtype=auto

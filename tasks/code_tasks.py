@@ -44,7 +44,8 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tasks.base import LOCAL_DATA_HINT, Grade, Problem, Task, hub_file, iter_jsonl, numbered_jsonl, warn_unpinned
+from tasks.base import Grade, Problem, Task
+from tasks.data import LOCAL_DATA_HINT, hub_file, iter_jsonl, numbered_jsonl, warn_unpinned
 from tasks.grading import extract_code
 from tasks.sandbox import (
     SandboxLimits,

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from tasks.base import LOCAL_DATA_HINT, Problem, numbered_jsonl
+from tasks.base import Problem
 from tasks.code_tasks import STARTUP_SLACK_S, CodeTask
+from tasks.data import LOCAL_DATA_HINT, numbered_jsonl
 from tasks.sandbox import raise_for_setup, run_program
 
 HUMANEVAL_INSTRUCTION = (

@@ -390,7 +390,7 @@ def test_policy_identity_from_varying_hyperparameters(tmp_path: Path):
 
 
 def test_ratio_operating_point_matches_runner(tmp_path: Path):
-    from vase.run.runner import resolve_budget
+    from vase.run.planning import resolve_budget
 
     for ref, ratio, window in [(256, 4, 16), (15325, 4, 64), (1000, 3, 64), (100, 8, 16)]:
         assert analysis_resolve_budget(ref, ratio, window) == resolve_budget(ref, ratio, window)

@@ -98,7 +98,7 @@ def test_the_work_given_to_vllm_is_the_runners_prompts_sampling_and_eos():
     """build_work renders exactly the prompt ids the runner feeds (vase.run.runner), on the tiny model's tokenizer."""
     from hydra import compose, initialize_config_dir
 
-    from vase.run.runner import _measure, prepare
+    from vase.run.planning import measure, prepare
 
     overrides = ["model=tiny", "limit=3", "n_samples=2", "logger=none"]
     work = bvl.build_work(overrides)
@@ -106,7 +106,7 @@ def test_the_work_given_to_vllm_is_the_runners_prompts_sampling_and_eos():
         cfg = compose(config_name="config", overrides=overrides)
     prep = prepare(cfg)
     problems = prep.task.load()
-    runner_ids = [w.ids for w in _measure(prep, [(p, [0]) for p in problems])]
+    runner_ids = [w.ids for w in measure(prep, [(p, [0]) for p in problems])]
     assert work["prompts"] == runner_ids and len(runner_ids) == 3
     assert [p.id for p in work["problems"]] == [p.id for p in problems]
     assert work["n_samples"] == 2 and work["max_length"] == prep.max_length

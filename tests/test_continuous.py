@@ -380,10 +380,10 @@ def test_loop_stop_fires_on_a_repeated_phrase_only():
     from transformers import AutoTokenizer
 
     from vase.models import qwen3_tokenizer_dir
-    from vase.run.runner import _loop_stop
+    from vase.run.decoding import loop_stop
 
     tok = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
-    stop = _loop_stop(tok)
+    stop = loop_stop(tok)
     loop = tok("The answer is not yet known. " * 12, add_special_tokens=False)["input_ids"]
     prose = tok(
         "We first sort the list, then walk it once keeping the best pair seen so far; ties keep the earlier "

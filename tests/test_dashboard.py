@@ -59,7 +59,7 @@ def test_run_panels_bind_to_what_the_runner_logs(tmp_path: Path):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from vase.run.runner import compute_metrics
+    from vase.run.records import compute_metrics
 
     correct = {f"p{i}": [1, 0] * 8 for i in range(3)}
     # a boxed-answer task: the runner logs both grader rules

@@ -30,11 +30,12 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-import tasks.base
 import tasks.code_tasks
+import tasks.data
 import vase.hub
-from tasks.base import Task, read_jsonl
+from tasks.base import Task
 from tasks.code_tasks import LCB_DATASET, LCB_REVISION, LiveCodeBench
+from tasks.data import read_jsonl
 from tasks.gpqa import GPQA_REVISION, GPQADiamond
 from tasks.math_tasks import (
     AIME,
@@ -137,7 +138,7 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> FakeHub:
     fake = FakeHub(tmp_path / "hub-cache")
     monkeypatch.setattr(datasets, "load_dataset_builder", fake.load_dataset_builder)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake.hf_hub_download)
-    monkeypatch.setattr(tasks.base, "_warned_unpinned", set())
+    monkeypatch.setattr(tasks.data, "_warned_unpinned", set())
     return fake
 
 
@@ -275,7 +276,7 @@ def test_a_task_without_hub_data_refuses_a_revision() -> None:
 
 
 def test_unpinned_revision_warns_with_the_resolved_sha(hub: FakeHub, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="tasks.base"):
+    with caplog.at_level(logging.WARNING, logger="tasks.data"):
         HMMT25().load()
         AIME25().load()  # pinned: no warning
     warnings = [r.getMessage() for r in caplog.records if "is not pinned" in r.getMessage()]

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY_RUN, compose, copy_run, snapshot
-from vase.run.results import lock_run_dir, read_samples
+from vase.run.results import read_samples
+from vase.run.rundir import lock_run_dir
 from vase.run.runner import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -578,11 +579,11 @@ def test_destructive_paths_leave_the_finished_samples_as_they_were(finished_run:
         metrics = run(compose([*TINY_RUN, f"limit={limit}", f"results_dir={results}"]), progress=False)
         assert metrics["samples"] == 6 and snapshot(run_dir) == before
     # merge_shards: shards of a smaller limit into the finished run, then shards of another protocol
-    ids = sorted({r["problem_id"] for r in read_samples(run_dir / "samples.jsonl")})
+    ids = sorted({r["problem_id"] for r in read_samples(run_dir)})
     for i in range(2):
         shard = run_dir.parent / f"{run_dir.name}-shard{i}of2"
         shutil.copytree(run_dir, shard)
-        rows = [r for r in read_samples(run_dir / "samples.jsonl") if r["problem_id"] == ids[i]]
+        rows = [r for r in read_samples(run_dir) if r["problem_id"] == ids[i]]
         (shard / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     merge(run_dir)
     after = snapshot(run_dir)

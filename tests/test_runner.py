@@ -14,9 +14,9 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from vase.run.planning import prepare, resolve_budget
 from vase.run.records import held_at_end
 from vase.run.results import check_protocol, read_jsonl_tolerant
-from vase.run.runner import prepare, resolve_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -250,10 +250,10 @@ def test_run_writes_a_complete_result_directory(tmp_path):
 
 def test_sigkill_midway_then_relaunch_gives_every_sample_once(tmp_path):
     """Killed at a known point: the runner SIGKILLs itself right after its 2nd sample is durable (the test hook
-    VASE_TEST_KILL_AFTER_SAMPLES), whatever the machine's speed; no poll, no race."""
+    VASE_TEST_KILL_AT=written:2), whatever the machine's speed; no poll, no race."""
     args = [sys.executable, "run.py", *TINY, "limit=3", f"results_dir={tmp_path}"]
     killed = subprocess.run(
-        args, cwd=ROOT, env={**ENV, "VASE_TEST_KILL_AFTER_SAMPLES": "2"}, capture_output=True, text=True, timeout=900
+        args, cwd=ROOT, env={**ENV, "VASE_TEST_KILL_AT": "written:2"}, capture_output=True, text=True, timeout=900
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     (samples,) = tmp_path.rglob("samples.jsonl")

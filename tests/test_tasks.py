@@ -14,8 +14,9 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from tasks.base import Problem, Task, read_jsonl
+from tasks.base import Problem, Task
 from tasks.code_tasks import LCB_HEADER, LCB_WITH_STARTER, LCB_WITHOUT_STARTER, LiveCodeBench, lcb_prompt
+from tasks.data import read_jsonl
 from tasks.gpqa import GPQA_INSTRUCTION, GPQADiamond, format_question, split_options
 from tasks.humaneval import HumanEval
 from tasks.math_tasks import AIME, AIME25, AIME26, GSM8K, HMMT25, MATH500, MATH_SUFFIX, GSMSymbolic

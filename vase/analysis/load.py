@@ -22,7 +22,7 @@ import pandas as pd
 import yaml
 
 from vase.analysis.labels import NOT_HYPERPARAMETERS, label_policies, policy_class_name
-from vase.run.results import SAMPLES, THROUGHPUT, read_jsonl_tolerant, stable_hash
+from vase.run.results import SAMPLES, THROUGHPUT, read_samples, read_throughput, stable_hash
 
 logger = logging.getLogger(__name__)
 
@@ -174,8 +174,8 @@ def load_run(run_dir: str | Path, run_id: int = 0) -> tuple[dict, pd.DataFrame, 
     config = _read_config(run_dir)
     protocol = _read_json(run_dir / "protocol.json")
     metrics = _read_json(run_dir / "metrics.json")
-    sample_rows = read_jsonl_tolerant(run_dir / SAMPLES)
-    throughput_rows = read_jsonl_tolerant(run_dir / THROUGHPUT)
+    sample_rows = read_samples(run_dir)  # with the rank part files of a data-parallel run under way or killed
+    throughput_rows = read_throughput(run_dir)
     if not throughput_rows and (run_dir / OLD_BATCHES).exists():
         logger.warning(
             "%s: written before continuous batching (%s, no %s): its throughput and memory are not read; "
@@ -231,7 +231,7 @@ def load_run(run_dir: str | Path, run_id: int = 0) -> tuple[dict, pd.DataFrame, 
 
 
 def resolve_budget(reference_tokens: int, ratio: float, window: int) -> int:
-    """The runner's rule (:func:`~vase.run.runner.resolve_budget`): ``reference / ratio`` rounded to the window."""
+    """The runner's rule (:func:`~vase.run.planning.resolve_budget`): ``reference / ratio`` rounded to the window."""
     return max(2, round(reference_tokens / ratio / window)) * window
 
 

@@ -237,6 +237,14 @@ def _check_generation(cfg: DictConfig) -> None:
     if kv_memory not in (None, _ABSENT):
         parse_bytes(kv_memory, f"{g}.kv_memory")
     _choice(cfg, f"{g}.batching", BATCHING)
+    workers = _get(cfg, f"{g}.grade_workers")
+    if workers is not _ABSENT and workers != "auto" and not (_is_int(workers) and workers >= 0):
+        _fail(
+            f"{g}.grade_workers",
+            "must be auto or an integer >= 0",
+            workers,
+            f"{g}.grade_workers=0 grades in the decode loop, N in N worker processes, auto on the cores left over",
+        )
 
 
 def _check_flash_attn(cfg: DictConfig) -> None:
@@ -335,6 +343,23 @@ def check_protocol_n_protect(cfg: DictConfig) -> None:
         )
 
 
+def _check_launcher(cfg: DictConfig) -> None:
+    """``hydra/launcher=local`` is CPU-only: hydra-submitit's local executor gives every concurrent job the same
+    ``CUDA_VISIBLE_DEVICES=0..n-1``, so a GPU count there would put every job on GPU 0 (present only when the config
+    was composed with Hydra's own node, as ``run.py`` does)."""
+    target = _get(cfg, "hydra.launcher._target_")
+    if not isinstance(target, str) or not target.endswith("LocalLauncher"):
+        return
+    gpus = _get(cfg, "hydra.launcher.gpus_per_node")
+    if _is_int(gpus) and gpus > 0:
+        _fail(
+            "hydra.launcher.gpus_per_node",
+            "hydra/launcher=local is CPU-only (every concurrent job would get the same GPUs, all on GPU 0)",
+            gpus,
+            "keep it 0, and run on this machine's GPUs with torchrun --nproc-per-node <GPUs> run.py -m ...",
+        )
+
+
 def check_settings(cfg: DictConfig | Mapping) -> None:
     """Check every top-level, ``generation``, ``model``, common ``task`` and ``protocol`` setting of a composed config.
 
@@ -351,3 +376,4 @@ def check_settings(cfg: DictConfig | Mapping) -> None:
     _check_model(cfg)
     _check_task(cfg)
     _check_protocol(cfg)
+    _check_launcher(cfg)

@@ -42,14 +42,14 @@ from typing import Any
 
 from vase.run.metrics import classify_output, mean_pass_at_1, mean_pass_at_k
 from vase.run.results import (
-    SAMPLES,
     THROUGHPUT,
     append_jsonl,
     device_info,
     git_sha,
     library_versions,
     peak_memory_bytes,
-    read_jsonl_tolerant,
+    read_samples,
+    read_throughput,
     write_json,
 )
 
@@ -174,9 +174,12 @@ def compute_metrics(
             problem with samples on disk, plus these (``restrict`` limits them to these, e.g. for a shard merge).
         info: policy, task, model, budget... copied into the metrics so they are self-describing.
     """
-    rows = read_jsonl_tolerant(run_dir / SAMPLES)
+    rows = read_samples(run_dir)  # samples.jsonl and, mid-way through a data-parallel run, the rank part files
     requested = set(problem_ids)
-    by_problem = _dedup(rows, requested if restrict else None)
+    # in (problem, sample) order: the sums below do not depend on the order the lines were written in (one process or
+    # several ranks, grading inline or in the background)
+    deduped = _dedup(rows, requested if restrict else None)
+    by_problem = {pid: sorted(deduped[pid], key=lambda r: r["sample"]) for pid in sorted(deduped, key=str)}
     expected = requested | set(by_problem) if not restrict else requested
     samples = [r for rs in by_problem.values() for r in rs]
     n = len(samples)
@@ -254,7 +257,7 @@ def _accuracy(by_problem: dict[str, list[dict]], key: str, suffix: str, pass_k) 
 
 def _throughput(run_dir: Path) -> dict:
     """Wall-clock metrics summed over the decode sessions of ``throughput.jsonl``."""
-    lines = read_jsonl_tolerant(run_dir / THROUGHPUT)
+    lines = read_throughput(run_dir)
     if not lines:
         return {}
     dec_s = sum(x["decode_seconds"] for x in lines)
@@ -273,54 +276,100 @@ def _throughput(run_dir: Path) -> dict:
     }
 
 
+def row_maker(prep, problem, finished, text: str, bytes_per_token: int):
+    """``grade -> line of samples.jsonl`` for one finished sample of the run ``prep`` (called once it is graded)."""
+
+    def make(grade) -> dict:
+        return sample_row(
+            problem,
+            finished,
+            text,
+            grade,
+            thinking=prep.thinking,
+            budget=prep.cfg.budget if prep.policy.kind != "none" else None,
+            window=prep.cfg.window,
+            evicts=prep.policy.kind == "eviction",
+            bytes_per_token=bytes_per_token,
+            max_length=prep.max_length,
+            grader=prep.grader,
+            rules=prep.task.grader_rules,
+            policy=prep.policy,
+        )
+
+    return make
+
+
+def rank_entry(rank: int | None, dec, model, plan, samples: int, grading: str) -> dict:
+    """A process's entry in ``manifest.json``'s ``ranks`` (one per rank of a data-parallel run): where and how it
+    decoded its ``samples``."""
+    import socket
+
+    return {
+        "rank": 0 if rank is None else rank,
+        "host": socket.gethostname(),
+        "device": str(dec.device),
+        "dtype": str(next(model.parameters()).dtype),
+        "rows_in_flight": plan.rows,
+        "samples": samples,
+        "grading": grading,
+    }
+
+
 def write_manifest(prep, run_dir: Path, model, tokenizer, spec, dtype_reason: str, dec, plan, stop) -> None:
     """``manifest.json``: code, libraries, machine, the weights and dtype, the engine's sizing, data, protocol."""
+    write_json(run_dir / "manifest.json", manifest(prep, model, tokenizer, spec, dtype_reason, dec, plan, stop))
+
+
+def manifest(prep, model, tokenizer, spec, dtype_reason: str, dec, plan, stop) -> dict:
+    """The content of ``manifest.json`` (see :func:`write_manifest`)."""
     cfg = prep.cfg
-    write_json(
-        run_dir / "manifest.json",
-        {
-            "git_sha": git_sha(),
-            "libraries": library_versions(),
-            "device": device_info(),
-            "model": {
-                "name": spec.name,
-                "revision": spec.revision,
-                "resolved": spec.resolve(),
-                "dtype": str(next(model.parameters()).dtype),
-                "dtype_choice": dtype_reason,
-                "attn_backend": dec.backend,
-            },
-            # backend and why, the SDPA kernel each kind of attention call lowers to here, device name, CUDA / cuDNN
-            "attention": dec.attention_report(),
-            "engine": {
-                "batching": prep.batching,
-                "rows_in_flight": plan.rows,
-                "rows_choice": plan.reason,
-                "capacity_per_row": dec.geometry.capacity,
-                "capacity_choice": "cache_capacity(policy, longest prompt to decode, its output cap)",
-                "kv_allocated_bytes": dec.geometry.kv_bytes,
-                "row_bytes": plan.row_bytes,
-                "sync_every": dec.sync_every,
-            },
-            "dataset": prep.task.describe() if hasattr(prep.task, "describe") else {"name": prep.task.name},
-            "prompt_template": getattr(tokenizer, "chat_template", None),
-            "thinking": prep.thinking,
-            "sampling": asdict(prep.sampling),
-            "max_length": prep.max_length,
-            "seed": cfg.seed,
-            "eos_token_ids": stop,
-            "budget": cfg.budget if prep.policy.kind != "none" else None,
-            "window": cfg.window,
-            "policy": prep.policy.describe(),
+    return {
+        "git_sha": git_sha(),
+        "libraries": library_versions(),
+        "device": device_info(),
+        "model": {
+            "name": spec.name,
+            "revision": spec.revision,
+            "resolved": spec.resolve(),
+            "dtype": str(next(model.parameters()).dtype),
+            "dtype_choice": dtype_reason,
+            "attn_backend": dec.backend,
         },
-    )
+        # backend and why, the SDPA kernel each kind of attention call lowers to here, device name, CUDA / cuDNN
+        "attention": dec.attention_report(),
+        "engine": {
+            "batching": prep.batching,
+            "rows_in_flight": plan.rows,
+            "rows_choice": plan.reason,
+            "capacity_per_row": dec.geometry.capacity,
+            "capacity_choice": "cache_capacity(policy, longest prompt to decode, its output cap)",
+            "kv_allocated_bytes": dec.geometry.kv_bytes,
+            "row_bytes": plan.row_bytes,
+            "sync_every": dec.sync_every,
+        },
+        "dataset": prep.task.describe() if hasattr(prep.task, "describe") else {"name": prep.task.name},
+        "prompt_template": getattr(tokenizer, "chat_template", None),
+        "thinking": prep.thinking,
+        "sampling": asdict(prep.sampling),
+        "max_length": prep.max_length,
+        "seed": cfg.seed,
+        "eos_token_ids": stop,
+        "budget": cfg.budget if prep.policy.kind != "none" else None,
+        "window": cfg.window,
+        "policy": prep.policy.describe(),
+    }
 
 
 class ThroughputLog:
     """Writes ``throughput.jsonl`` lines (wall-clock stretches of one decoder) and drives the progress display."""
 
-    def __init__(self, run_dir: Path, dec):
+    def __init__(self, run_dir: Path, dec, path: Path | None = None, rank: int | None = None):
+        """Lines go to ``path`` (default ``run_dir/throughput.jsonl``; a rank's part file in a data-parallel run,
+        each line then tagged with its ``rank``)."""
         self.run_dir, self.dec = run_dir, dec
+        self.path = path or Path(run_dir) / THROUGHPUT
+        self.rank = rank
+        self.decoded = 0  # samples out of the decoder (the bar counts the graded ones)
         self.t_start = self.t_last = time.perf_counter()
         self.t_show = 0.0
         self.last = asdict(dec.stats)
@@ -331,11 +380,16 @@ class ThroughputLog:
         now = time.perf_counter()
         if now - self.t_show >= PROGRESS_EVERY_S:
             self.t_show = now
-            st = self.dec.stats
-            tps = st.row_steps / st.decode_seconds if st.decode_seconds else 0.0
-            bar.set_postfix_str(f"tok/s={tps:.1f} rows={info.active_rows}", refresh=True)
+            self.show(bar, info.active_rows)
         if now - self.t_last >= THROUGHPUT_EVERY_S:
             self.flush()
+
+    def show(self, bar, rows: int | None = None) -> None:
+        """The bar counts graded samples; its postfix shows the decoded ones, tok/s and rows in flight."""
+        st = self.dec.stats
+        tps = st.row_steps / st.decode_seconds if st.decode_seconds else 0.0
+        rows = self.dec.cache.n_live if rows is None else rows
+        bar.set_postfix_str(f"decoded={self.decoded} tok/s={tps:.1f} rows={rows}", refresh=True)
 
     def sample(self, bar, correct: list[bool], run_logger) -> None:
         st = self.dec.stats
@@ -358,9 +412,10 @@ class ThroughputLog:
             return
         g = self.dec.geometry
         append_jsonl(
-            self.run_dir / THROUGHPUT,
+            self.path,
             [
                 {
+                    **({} if self.rank is None else {"rank": self.rank}),
                     **delta,
                     "rows": max(self.max_rows, 1),
                     "wall_seconds": now - self.t_last,

@@ -6,34 +6,43 @@ A run directory holds:
 * ``protocol.json`` — the settings that define the experiment (model, task protocol, policy, sampling, seed,
   samples, budget); a rerun with a different protocol in the same directory is refused;
 * ``manifest.json`` — git SHA, library versions, device, model and dataset revisions, prompt template, sampling,
-  seed;
+  seed, grading, and one entry per rank of a data-parallel run;
 * ``resolved.json`` — what was actually loaded: the commit every hub dataset and model resolved to, the sha256 of
   every local data file (:func:`check_resolved`); a resumed run whose data or weights changed is refused;
-* ``samples.jsonl`` — one line per finished sample, appended and flushed (fsync) as each sample finishes;
+* ``samples.jsonl`` — one line per graded sample, appended and made durable (fsync) as each is graded
+  (:func:`write_sample`, the one writer of sample lines);
 * ``throughput.jsonl`` — one line per stretch of decoding (wall times, tokens, rows in flight, memory);
 * ``metrics.json`` — written at the end (and rewritten by a resumed run); see :mod:`vase.run.records`;
-* ``.vase.lock`` — the writer's lock (:func:`lock_run_dir`): one run writes a run directory at a time.
+* ``ranks/`` — only while a data-parallel run (``torchrun``, :mod:`vase.run.distributed`) is under way or was killed:
+  ``rank<r>.samples.jsonl`` / ``rank<r>.throughput.jsonl``, the lines rank ``r`` appends (fsynced) as it goes.
+  Readers take the union (:func:`read_samples`, :func:`read_throughput`); at the end rank 0 folds them into the two
+  files above (:func:`fold_parts`: append, fsync, then delete), so the finished directory is a single-process one;
+* ``.vase.lock`` — the writer's lock (:func:`vase.run.rundir.lock_run_dir`): one process writes a run directory at a
+  time.
 
-A run directory is owned: a run writes only into a directory that is absent, empty or already one of these
-(:func:`check_run_dir`), and never shortens or rewrites ``samples.jsonl`` (it appends; a torn last line left by a kill
-is the only thing ever cut off).
+A run directory is owned (:mod:`vase.run.rundir`): a run writes only into a directory that is absent, empty or already
+one of these, and never shortens or rewrites ``samples.jsonl`` (it appends; a torn last line left by a kill is the only
+thing ever cut off).
+
+Test hook, the one place every kill point is defined: ``VASE_TEST_KILL_AT=[rank<r>:]<event>:<n>[:<signal>]`` makes
+this process (of rank ``r`` only, when given) send itself SIGKILL (or ``SIG<signal>``: ``INT`` is Ctrl-C) at its
+``n``-th ``event`` (counted per process), so a kill test stops a run at a known point, never after a poll
+(:func:`kill_point`). Events: ``submitted`` — a finished sample was handed to grading (in the background: its grade is
+being computed, its line not written; inline: before it is graded); ``written`` — a sample's line is durable in
+``samples.jsonl`` or the rank's part file (:func:`write_sample`).
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import platform
 import signal
-import socket
 import subprocess
-import time
-from collections.abc import Iterable, Mapping
-from fnmatch import fnmatch
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -45,30 +54,12 @@ THROUGHPUT = "throughput.jsonl"
 RESOLVED = "resolved.json"
 PROTOCOL = "protocol.json"
 LOCK = ".vase.lock"
-#: every entry a run directory of this harness may hold (W&B's offline runs in ``wandb/``, the kept sets of
-#: ``record_kept=true`` in ``kept_sets/``): a directory holding anything else is not a run (:func:`check_run_dir`)
-RUN_DIR_ENTRIES = frozenset(
-    {
-        PROTOCOL,
-        RESOLVED,
-        SAMPLES,
-        THROUGHPUT,
-        LOCK,
-        "config.yaml",
-        "manifest.json",
-        "metrics.json",
-        "wandb",
-        "kept_sets",
-    }
-)
-#: and names of these forms (per-process sample or throughput files of a data-parallel run, :func:`write_json`'s
-#: temporary files left by a kill mid-write)
-RUN_DIR_PATTERNS = ("samples*.jsonl", "throughput*.jsonl", "*.tmp")
+RANKS = "ranks"  # the per-rank part files of a data-parallel run
 #: the fields every line of ``samples.jsonl`` has (:func:`read_samples`)
 SAMPLE_FIELDS = ("problem_id", "sample", "correct")
-#: test hook: ``k`` (or ``k:INT``) SIGKILLs (SIGINTs) this process right after its k-th sample is durable
-#: (:func:`write_sample`)
-KILL_AFTER_SAMPLES_ENV = "VASE_TEST_KILL_AFTER_SAMPLES"
+#: the test hook of the module docstring (:func:`kill_point`)
+KILL_ENV = "VASE_TEST_KILL_AT"
+KILL_EVENTS = ("submitted", "written")
 
 
 def stable_hash(obj: Any, n: int = 8) -> str:
@@ -119,12 +110,36 @@ def _numbered_rows(path: Path, repair: bool = False) -> list[tuple[int, Any]]:
     return rows
 
 
-def read_samples(path: Path, repair: bool = False) -> list[dict]:
-    """The samples of a ``samples.jsonl`` (:func:`read_jsonl_tolerant`), each checked to be one.
+# --------------------------------------------------------------------------------------------------------------------
+# samples: one writer, readers that take the union of samples.jsonl and the rank part files
 
-    A line that is valid JSON but not a sample (not an object with :data:`SAMPLE_FIELDS`) is a one-line
-    ``ValueError`` naming the file and the line: the file was edited, or is not a vase samples file.
-    """
+
+def part_path(run_dir: Path, rank: int, name: str) -> Path:
+    """``run_dir/ranks/rank<r>.<name>``: where rank ``r`` appends its lines of ``name`` (samples or throughput)."""
+    return Path(run_dir) / RANKS / f"rank{rank}.{name}"
+
+
+def part_files(run_dir: Path, name: str) -> list[Path]:
+    """The part files of ``name`` in ``run_dir/ranks/``, in rank order."""
+    parts = Path(run_dir) / RANKS
+    if not parts.is_dir():
+        return []
+    found = {}
+    for p in parts.glob(f"rank*.{name}"):
+        rank = p.name[len("rank") : -len(name) - 1]
+        if rank.isdigit():
+            found[int(rank)] = p
+    return [found[r] for r in sorted(found)]
+
+
+def sample_file(run_dir: Path, rank: int | None = None) -> Path:
+    """The file this process appends its samples to: ``samples.jsonl``, or rank ``r``'s part file."""
+    return Path(run_dir) / SAMPLES if rank is None else part_path(run_dir, rank, SAMPLES)
+
+
+def _sample_rows(path: Path, repair: bool = False) -> list[dict]:
+    """The lines of one samples file (:func:`read_jsonl_tolerant`), each checked to be a sample: a line that is valid
+    JSON but not an object with :data:`SAMPLE_FIELDS` is a one-line ``ValueError`` naming the file and the line."""
     rows = _numbered_rows(path, repair)
     for lineno, row in rows:
         ok = isinstance(row, dict) and all(k in row for k in SAMPLE_FIELDS)
@@ -143,24 +158,115 @@ def read_samples(path: Path, repair: bool = False) -> list[dict]:
     return [row for _, row in rows]
 
 
-_samples_written = 0
+def _sample_key(row: Mapping) -> tuple:
+    return (row["problem_id"], row["sample"])
 
 
-def write_sample(run_dir: Path, row: Mapping) -> None:
-    """Append one finished sample to ``run_dir/samples.jsonl``, durably (:func:`append_jsonl`).
+def _throughput_key(row: Mapping) -> tuple:
+    return (row.get("rank"), row.get("time"))
 
-    Test hook: with ``VASE_TEST_KILL_AFTER_SAMPLES=k`` in the environment the process SIGKILLs itself right after its
-    k-th sample is durable (``k:INT`` sends SIGINT instead, as Ctrl-C does), so a kill test stops a run at a known
-    point, never after a poll.
+
+def read_samples(run_dir: Path, repair: bool = False) -> list[dict]:
+    """Every sample of a run directory: ``samples.jsonl``, then the rank part files of a data-parallel run under way
+    or killed, each ``(problem_id, sample)`` once (the first line written wins); every line checked to be a sample
+    (one line naming the file and the line otherwise). ``repair`` cuts a torn last line off every file (a process
+    killed mid-write), so appends continue cleanly."""
+    if Path(run_dir).is_file():  # a samples file given for its directory would read as no samples at all
+        raise ValueError(f"read_samples: {run_dir} is a file; give the run directory that holds it")
+    rows, seen = [], set()
+    for path in [Path(run_dir) / SAMPLES, *part_files(run_dir, SAMPLES)]:
+        for r in _sample_rows(path, repair):
+            if _sample_key(r) not in seen:
+                seen.add(_sample_key(r))
+                rows.append(r)
+    return rows
+
+
+def read_throughput(run_dir: Path, repair: bool = False) -> list[dict]:
+    """Every ``throughput.jsonl`` line of a run directory, then the rank part files' lines not folded in yet."""
+    rows = read_jsonl_tolerant(Path(run_dir) / THROUGHPUT, repair=repair)
+    seen = {_throughput_key(r) for r in rows}
+    for part in part_files(run_dir, THROUGHPUT):
+        rows += [r for r in read_jsonl_tolerant(part, repair=repair) if _throughput_key(r) not in seen]
+    return rows
+
+
+def fold_parts(run_dir: Path) -> int:
+    """Fold the rank part files into ``samples.jsonl`` / ``throughput.jsonl``; return the sample lines added.
+
+    Crash-safe order: for each part, the lines not yet in the main file are appended and fsynced, and only then is
+    the part deleted. Killed in between, the next fold finds those lines already there and adds nothing twice
+    (samples are keyed by (problem_id, sample), throughput lines by (rank, time)). Sample lines are appended in
+    (problem_id, sample) order of each part. The main files are only appended to.
     """
-    global _samples_written
-    append_jsonl(run_dir / SAMPLES, [row])
-    _samples_written += 1
-    hook = os.environ.get(KILL_AFTER_SAMPLES_ENV, "").strip()
-    if hook:
-        count, _, name = hook.partition(":")
-        if count.isdigit() and _samples_written == int(count):
-            os.kill(os.getpid(), getattr(signal, f"SIG{name or 'KILL'}"))
+    added = 0
+    readers: tuple[tuple[str, Callable[..., list[dict]], Callable], ...] = (
+        (SAMPLES, _sample_rows, _sample_key),
+        (THROUGHPUT, read_jsonl_tolerant, _throughput_key),
+    )
+    for name, read, key in readers:
+        parts = part_files(run_dir, name)
+        if not parts:
+            continue
+        main = Path(run_dir) / name
+        seen = {key(r) for r in read(main, repair=True)}
+        for part in parts:
+            new = []
+            for r in read(part, repair=True):
+                if key(r) not in seen:
+                    seen.add(key(r))
+                    new.append(r)
+            if name == SAMPLES:
+                new.sort(key=lambda r: (str(r["problem_id"]), r["sample"]))
+                added += len(new)
+            if new:
+                append_jsonl(main, new)  # durable before the part goes
+            part.unlink()
+    ranks = Path(run_dir) / RANKS
+    if ranks.is_dir() and not any(ranks.iterdir()):
+        ranks.rmdir()
+    return added
+
+
+def write_sample(path: Path, row: Mapping) -> None:
+    """Append one graded sample's line to ``path`` (``samples.jsonl``, or a rank's part file: :func:`sample_file`),
+    durably (:func:`append_jsonl`): the one writer of sample lines, inline or background grading, one process or
+    several. Then the ``written`` kill point of the test hook (:func:`kill_point`)."""
+    append_jsonl(path, [row])
+    kill_point("written")
+
+
+_events: Counter = Counter()
+
+
+def kill_point(event: str) -> None:
+    """Count this process's ``event`` and, when ``VASE_TEST_KILL_AT`` names it (and this rank) at this count, send this
+    process the hook's signal (SIGKILL unless given); see the module docstring. Unset, this only counts."""
+    _events[event] += 1
+    spec = os.environ.get(KILL_ENV, "").strip()
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[0].startswith("rank"):
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+        if parts[0] != f"rank{rank}":
+            return
+        parts = parts[1:]
+    name = parts[2] if len(parts) == 3 else "KILL"
+    if (
+        len(parts) not in (2, 3)
+        or parts[0] not in KILL_EVENTS
+        or not parts[1].isdigit()
+        or not hasattr(signal, f"SIG{name}")
+    ):
+        raise ValueError(
+            f"{KILL_ENV}={spec!r}: write [rank<r>:]<event>:<n>[:<signal>] with event one of {', '.join(KILL_EVENTS)}, "
+            "e.g. written:2 or rank1:submitted:3:INT"
+        )
+    if parts[0] == event and int(parts[1]) == _events[event]:
+        logger.warning("%s=%s: sending this process SIG%s", KILL_ENV, spec, name)
+        logging.shutdown()
+        os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 
 
 def append_jsonl(path: Path, rows: Iterable[Mapping]) -> None:
@@ -347,154 +453,3 @@ def check_resolved(run_dir: Path, resolved: Mapping[str, Any], write: bool = Tru
     if write and (updated != stored or not path.exists()):
         write_json(path, updated)
     return updated
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# ownership and the writer's lock
-
-
-def check_run_dir(run_dir: Path, setting: str = "run_dir") -> None:
-    """Refuse a target a run may not write into, before anything is written (one line naming ``setting``).
-
-    A run writes into ``run_dir`` only when it is absent (its nearest existing ancestor a writable directory), empty,
-    or a run directory of this harness: every entry one of :data:`RUN_DIR_ENTRIES` or of the forms
-    :data:`RUN_DIR_PATTERNS`, and ``protocol.json`` there unless the directory holds nothing but the lock (a run
-    killed before it wrote anything). ``run_dir=conf`` or ``results_dir=/dev/null`` are refused, never written into.
-    """
-    run_dir = Path(run_dir)
-    if setting.startswith("results_dir"):
-        fix = "point results_dir at a directory you can write, e.g. results_dir=results"
-    else:
-        fix = f"point {setting} at a new or empty directory, or at a vase run directory to resume it"
-    check_writable(run_dir, setting, fix)
-    if not run_dir.exists():
-        return
-    entries = sorted(os.listdir(run_dir))
-    foreign = [e for e in entries if e not in RUN_DIR_ENTRIES and not any(fnmatch(e, p) for p in RUN_DIR_PATTERNS)]
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise ValueError(f"{setting}: {run_dir} is not a vase run directory (it holds {shown}); {fix}")
-    if entries and PROTOCOL not in entries and set(entries) - {LOCK}:
-        raise ValueError(
-            f"{setting}: {run_dir} holds {', '.join(entries)} but no {PROTOCOL}, so it is not a vase run directory "
-            f"(or a damaged one); {fix}"
-        )
-
-
-def check_writable(path: Path, setting: str, fix: str) -> None:
-    """``path`` is a writable directory, or can be created: its nearest existing ancestor is a writable directory.
-    One line naming ``setting`` otherwise (nothing is created)."""
-    path = Path(path)
-    if path.exists():
-        if not path.is_dir():
-            raise ValueError(f"{setting}: {path} is not a directory; {fix}")
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(f"{setting}: {path} is not writable; make it writable, or {fix}")
-        return
-    ancestor = path.absolute().parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise ValueError(f"{setting}: {path} cannot be created ({ancestor} is not a directory); {fix}")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(f"{setting}: {path} cannot be created ({ancestor} is not writable); {fix}, on a writable disk")
-
-
-class RunDirBusy(ValueError):
-    """Another process holds the run directory's lock (:func:`lock_run_dir`); the message names it."""
-
-
-class RunDirLock:
-    """An exclusive lock on a run directory, held while this object is open (see :func:`lock_run_dir`)."""
-
-    def __init__(self, run_dir: Path, fd: int | None):
-        self.run_dir, self._fd = Path(run_dir), fd
-
-    @property
-    def held(self) -> bool:
-        """Whether the lock is held (``False`` after :meth:`release`, or on a file system without locks)."""
-        return self._fd is not None
-
-    def release(self) -> None:
-        """Release the lock (closing its file descriptor); idempotent."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> RunDirLock:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-_warned_no_locks: set[str] = set()
-
-
-def _busy(run_dir: Path, fd: int) -> RunDirBusy:
-    """The refusal naming the lock's holder (read from the lock file)."""
-    holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
-    try:
-        info = json.loads(holder)
-        who = f"pid {info.get('pid')} on {info.get('host')}, since {info.get('since')}"
-    except (json.JSONDecodeError, AttributeError):
-        who = "another process"
-    return RunDirBusy(
-        f"run_dir {run_dir} is being written by another run ({who}); wait for it to finish (then rerun this command "
-        "to resume or extend it), or set run_dir= / results_dir= for a separate run"
-    )
-
-
-def probe_lock(run_dir: Path) -> None:
-    """Raise :class:`RunDirBusy` when another process holds ``run_dir``'s lock; creates nothing (a check before
-    anything is written; the run itself takes the lock with :func:`lock_run_dir`)."""
-    path = Path(run_dir) / LOCK
-    if not path.is_file():
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise _busy(Path(run_dir), fd) from None
-    finally:
-        os.close(fd)
-
-
-def lock_run_dir(run_dir: Path) -> RunDirLock:
-    """Take the exclusive writer's lock of ``run_dir`` (created if absent), or raise :class:`RunDirBusy` in one line.
-
-    ``fcntl.flock`` on ``run_dir/.vase.lock``, non-blocking: the kernel releases it when its holder exits in any way,
-    ``kill -9`` included, so a crashed run never leaves a stale lock. The holder's pid, host and start time are written
-    into the file for the refusal's message. Hold it for as long as the process may write the directory (``with
-    lock_run_dir(d): ...`` or :meth:`RunDirLock.release`); a data-parallel job takes it once, on rank 0, for all its
-    ranks. Any process that opens the file separately conflicts with it, including the same process (two runs of one
-    directory in a test). On a file system without ``flock`` (some Lustre mounts) the run goes on unlocked, with a
-    warning.
-    """
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            os.close(fd)
-            if str(run_dir) not in _warned_no_locks:
-                _warned_no_locks.add(str(run_dir))
-                logger.warning(
-                    "run dir %s: this file system has no file locks (%s); a second run writing this directory at the "
-                    "same time would not be detected",
-                    run_dir,
-                    err.strerror,
-                )
-            return RunDirLock(run_dir, None)
-        busy = _busy(run_dir, fd)
-        os.close(fd)
-        raise busy from None
-    info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-    return RunDirLock(run_dir, fd)

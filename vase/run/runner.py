@@ -4,514 +4,174 @@ Everything is built from the composed Hydra config with ``hydra.utils.instantiat
 logger), so the runner never branches on types. Order of work, cheapest first, and nothing is written before every
 input has been checked:
 
-1. check every setting (:func:`vase.run.checks.check_settings`), the fields of the task, model, policy and logger
-   nodes, then build them (one-line ``ValueError`` on bad input, before any data or weights load);
-2. resolve the budget (``budget=`` or the task's reference full-cache output length for the model / ``ratio``,
-   rounded to a multiple of ``window``), the run directory (absent, empty or a vase run) and its protocol;
-3. load the problems (none is an error) and, with samples missing, the model's config and the tokenizer (no
-   weights): device, context window, every prompt rendered and measured, the cache against the memory; refuse a
-   changed protocol, data or weights. Steps 1-3 are :func:`plan`: it writes nothing (``run.py`` runs it for every
-   cell of a command line before Hydra starts);
-4. only then take the run directory's lock (one writer at a time), write ``protocol.json`` / ``config.yaml``, load the
-   weights, size the cache (capacity per row from the longest prompt still to decode; rows in flight from
-   ``generation.max_rows`` / ``generation.kv_memory``) and decode every missing sample with continuous batching,
-   writing each sample to ``samples.jsonl`` (flushed) as it ends;
+1-3. :func:`vase.run.planning.plan`: every setting, the run directory, the data, the model's config, the device, the
+   prompts, the cache against the memory, a changed protocol / data / weights. It writes nothing (``run.py`` runs it
+   for every cell of a command line before Hydra starts).
+4. only then take the run directory's lock (one writer at a time: :func:`vase.run.rundir.lock_run_dir`), read the
+   samples again under it (repairing a torn last line), write ``protocol.json`` / ``resolved.json`` /
+   ``config.yaml``, and decode every missing sample (:func:`vase.run.decoding.decode`); each is graded inline or in
+   worker processes (:mod:`vase.run.grading_pool`) and its line appended to ``samples.jsonl`` (fsynced) once graded;
 5. write ``metrics.json`` from ``samples.jsonl`` + ``throughput.jsonl`` (the source of truth) and mirror to W&B.
+
+Launched as several processes (torchrun, srun: :mod:`vase.run.distributed`), every rank calls :func:`run` with the
+same config and the same order holds: rank 0 plans, takes the lock (held until its metrics are written) and opens the
+directory; then the other ranks plan, read-only, on their own devices. Each rank decodes its round-robin share of the
+samples still to decode and appends its lines to its part file ``ranks/rank<r>.samples.jsonl``; rank 0 then folds the
+parts into ``samples.jsonl`` and writes the manifest and the metrics. Every phase ends in a collective: a failure on
+any rank is raised on every rank, as the same one line.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import time
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
-from typing import Any
+from contextlib import ExitStack
+from dataclasses import replace
 
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from vase.engine import Decoder, Request, model_geometry
-from vase.engine.cache import cache_capacity
-from vase.engine.memory import auto_dtype, plan_rows
-from vase.engine.sampling import SamplingConfig, sample_seeds
-from vase.engine.scores import score_dtype
-from vase.run.checks import check_protocol_n_protect, check_settings, parse_bytes
-from vase.run.preflight import check_cache, check_fields, check_model, load_problems, load_tokenizer, no_problems
-from vase.run.protocol import comparable, protocol_knobs, run_tag
-from vase.run.protocol import settings as protocol_settings
-from vase.run.records import ThroughputLog, compute_metrics, sample_row, write_manifest
+from vase.run.decoding import decode
+from vase.run.distributed import World, current_world
+from vase.run.grading_pool import Grader, grade_workers
+from vase.run.loggers import NullLogger
+from vase.run.planning import RunPlan, build, plan, prepare, resolved_spec, still_to_do, with_dtype
+from vase.run.protocol import comparable
+from vase.run.records import compute_metrics
 from vase.run.results import (
-    PROTOCOL,
-    SAMPLES,
-    THROUGHPUT,
     check_protocol,
     check_resolved,
-    check_run_dir,
-    lock_run_dir,
-    read_json,
-    read_jsonl_tolerant,
+    fold_parts,
     read_samples,
+    read_throughput,
+    sample_file,
     stable_hash,
     write_json,
-    write_sample,
 )
+from vase.run.rundir import lock_run_dir
 
 logger = logging.getLogger(__name__)
 
-# Settings that do not change results: excluded from the protocol comparison on resume.
-NON_PROTOCOL_TASK_KEYS = ("limit", "shard", "num_shards", "data_dir", "max_workers")
-NON_PROTOCOL_GENERATION_KEYS = ("sync_every", "attn_backend", "batching", "max_rows", "kv_memory")
-
-
-def build(node: Any, what: str) -> Any:
-    """``hydra.utils.instantiate`` after :func:`vase.run.preflight.check_fields` (unknown keys and wrong types, one
-    line each), surfacing a constructor's ``ValueError`` as itself (one line, no wrapper)."""
-    from hydra.errors import InstantiationException
-
-    check_fields(node, what)
-    try:
-        return instantiate(node)
-    except InstantiationException as err:
-        cause = err.__cause__
-        if isinstance(cause, ValueError):
-            msg = " ".join(str(cause).split())
-            fix = "" if "; " in msg else f"; fix it (the settings of each {what}: conf/{what}/*.yaml)"
-            raise ValueError(msg + fix) from None
-        raise ValueError(f"{what}: cannot build it ({' '.join(str(cause or err).split())})") from None
-
-
-def resolve_budget(reference_tokens: int, ratio: float, window: int) -> int:
-    """``reference / ratio`` rounded to the nearest multiple of ``window`` (at least ``2 * window``)."""
-    return max(2, round(reference_tokens / ratio / window)) * window
-
-
-def problem_seed(seed: int, problem_id: str) -> int:
-    """A problem's seed: stable across runs, shards and resumes (independent of the problem's position)."""
-    return int(hashlib.sha256(f"{seed}:{problem_id}".encode()).hexdigest()[:12], 16)
-
-
-@dataclass
-class Prepared:
-    """Everything built from the config before any data or weights load."""
-
-    cfg: DictConfig
-    task: Any
-    model_spec: Any
-    policy: Any
-    sampling: SamplingConfig
-    n_samples: int
-    max_length: int
-    thinking: bool
-    run_dir: Path
-    protocol: dict
-    explicit_budget: bool
-    batching: str
-    max_rows: int | str
-    kv_memory: int | None
-    grader: str = "strict"
-    score_dtype: Any = None
-
-
-def prepare(cfg: DictConfig) -> Prepared:
-    """Validate, resolve the budget and build task / model spec / policy (no data or weights loaded)."""
-    check_settings(cfg)  # every setting, before anything is built, written or loaded (vase/run/checks.py)
-    task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
-    if cfg.limit is not None:
-        task_cfg["limit"] = cfg.limit
-    if cfg.n_samples is not None:
-        task_cfg["n_samples"] = cfg.n_samples
-    task = build(task_cfg, "task")
-    model_spec = build(cfg.model, "model")
-    explicit_budget = cfg.budget is not None
-    if not explicit_budget:
-        budget = resolve_budget(task.reference_tokens(model_spec.key), cfg.ratio, cfg.window)
-        OmegaConf.update(cfg, "budget", budget, force_add=True)
-        check_protocol_n_protect(cfg)  # the protocol's value slots against the budget now known
-    policy = build(cfg.policy, "policy")
-    gen = cfg.generation
-    sampling = SamplingConfig(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k, greedy=gen.greedy)
-    max_length = int(gen.max_length) if gen.max_length is not None else int(task.max_length)
-    batching = gen.get("batching", "continuous")  # choices, max_rows and kv_memory checked by check_settings
-    max_rows = gen.get("max_rows", "auto")
-    kv_memory = None if gen.get("kv_memory") is None else parse_bytes(gen.kv_memory, "generation.kv_memory")
-    task.check_environment()  # e.g. a code task refuses an unsafe sandbox now, not after decoding
-    thinking = bool(model_spec.thinking and task.thinking)
-    policy_desc = policy.describe()
-    # The full cache ignores budget and window: one run serves every ratio of a sweep (never decoded twice).
-    budget_free = policy.kind == "none"
-    if budget_free:
-        policy_desc = {k: v for k, v in policy_desc.items() if k not in ("budget", "window")}
-    protocol = {
-        "model": {k: v for k, v in asdict(model_spec).items() if k != "device"},
-        "task": {k: v for k, v in task_cfg.items() if k not in NON_PROTOCOL_TASK_KEYS},
-        "policy": policy_desc,
-        "generation": {
-            **asdict(sampling),
-            "max_length": max_length,
-            "thinking": thinking,
-            "stop_on_loop": bool(gen.get("stop_on_loop", False)),
-        },
-        "seed": cfg.seed,
-        "n_samples": task.n_samples,
-        "budget": None if budget_free else cfg.budget,
-        "window": None if budget_free else cfg.window,
-    }
-    own = protocol_settings(cfg.get("protocol"))
-    # the protocol's grader where the task has that rule (boxed answers), else the task's one rule (code)
-    grader = own["grader"] if own["grader"] in task.grader_rules else task.grader_rules[0]
-    if cfg.run_dir:
-        run_dir = Path(cfg.run_dir)
-    else:
-        budget_tag = "" if budget_free else f"-b{cfg.budget}"
-        tag = f"{policy.name}{budget_tag}-{stable_hash(policy_desc, 6)}-s{cfg.seed}{run_tag(cfg.get('protocol'))}"
-        if task.num_shards > 1:
-            tag += f"-shard{task.shard}of{task.num_shards}"
-        run_dir = Path(cfg.results_dir) / task.name / model_spec.key / tag
-    prep = Prepared(
-        cfg,
-        task,
-        model_spec,
-        policy,
-        sampling,
-        task.n_samples,
-        max_length,
-        thinking,
-        run_dir,
-        protocol,
-        explicit_budget,
-        batching,
-        max_rows,
-        kv_memory,
-        grader,
-        score_dtype(own["score_dtype"]),
-    )
-    protocol["protocol"] = protocol_knobs(prep, grader)  # every knob of docs/protocol.md, as this run uses it
-    return prep
-
-
-def eos_ids(model, tokenizer) -> list[int]:
-    """EOS tokens: the generation config's (int or list) and the tokenizer's."""
-    ids = set()
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(gen_eos, int):
-        ids.add(gen_eos)
-    elif gen_eos:
-        ids.update(int(t) for t in gen_eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return sorted(ids)
-
-
-@dataclass
-class Work:
-    """A problem with samples still to decode: its rendered prompt's ids and its seeds."""
-
-    problem: Any
-    ids: list[int]
-    missing: list[int]
-    seeds: list[int]
-
-
-@dataclass
-class RunPlan:
-    """What a run will do, found without writing anything (:func:`plan`)."""
-
-    prep: Prepared
-    problems: list
-    data: dict
-    done_rows: list[dict]
-    work: list[Work]
-
-
-def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False) -> RunPlan:
-    """Every check of a run, in one pass that writes nothing (steps 1-3 of the module docstring).
-
-    Args:
-        machine: the run will happen on this machine: check the device and the memory here too (``run.py`` passes
-            ``False`` before submitting to SLURM, where the job checks them on its node).
-        cache: keep the loaded problems and tokenizer for the run that follows in this process (``run.py``).
-
-    Raises:
-        ValueError: one line naming the setting or file and the fix.
-    """
-    prep = prepare(cfg)
-    run_dir = prep.run_dir
-    build(cfg.logger, "logger")  # its settings, checked now (it starts after the lock)
-    check_run_dir(run_dir, "run_dir" if cfg.run_dir else "results_dir")
-    key = stable_hash([type(prep.task).__qualname__, asdict(prep.task)], 16)
-    prep.task, problems = load_problems(prep.task, key, cache)
-    if not problems:
-        raise ValueError(no_problems(prep.task, cfg))
-    data = {"data": prep.task.resolved_sources()}
-    check_resolved(run_dir, data, write=False)  # refuse a resume on changed data (read-only)
-    done_rows = read_samples(run_dir / SAMPLES)
-    done = {(r["problem_id"], r["sample"]) for r in done_rows}
-    pending = [(p, [i for i in range(prep.n_samples) if (p.id, i) not in done]) for p in problems]
-    pending = [(p, missing) for p, missing in pending if missing]
-    work: list[Work] = []
-    if pending:
-        setting = "task.max_length" if cfg.generation.max_length is None else "generation.max_length"
-        config = check_model(prep.model_spec, prep.max_length, setting, machine, cache)
-        work = _measure(prep, pending, load_tokenizer(prep.model_spec, cache))
-        spec, _ = _resolved_spec(prep, work)
-        check_cache(prep, spec, [(w.ids, w.missing) for w in work], config, setting, machine)
-        check_resolved(run_dir, {"model": prep.model_spec.resolve()}, write=False)  # refuse changed weights
-    check_protocol(run_dir, comparable(run_dir, _with_dtype(prep, work)), write=False)
-    return RunPlan(prep, problems, data, done_rows, work)
+__all__ = ["plan", "prepare", "run"]
 
 
 def run(cfg: DictConfig, progress: bool = True) -> dict:
-    """Run (or resume) one configuration; return its metrics. See the module docstring."""
-    p = plan(cfg)
-    lock = lock_run_dir(p.prep.run_dir)  # one writer per run directory; released on any exit, kill -9 included
-    try:
-        return _execute(p, progress)
-    finally:
-        lock.release()
+    """Run (or resume) one configuration; return its metrics (every rank of a data-parallel run returns rank 0's, or
+    raises the same error). See the module docstring."""
+    world = current_world()
+    device = world.pick_device(str(cfg.model.get("device", "auto")))  # None with one process: model.device as set
+    started: list = []  # the logger rank 0 started, to abort if anything after it fails
+    with ExitStack() as held:  # rank 0 holds the run directory's lock until the metrics are written
+        try:
+            p, run_logger = world.leader_first(
+                "opening the run", lambda leader: _open(cfg, device, held if leader else None, started)
+            )
+            _same_work(world, p)
+            share = world.share(p.work)  # the problems with samples to decode, dealt round-robin over the ranks
+            sessions = world.step("decoding", lambda: _decode_share(p, share, world, run_logger, progress), wait=True)
+            return world.leader("writing the metrics", lambda: _finish(p, sessions, run_logger))
+        except BaseException:
+            for opened in started:
+                opened.abort()
+            raise
 
 
-def _execute(p: RunPlan, progress: bool) -> dict:
-    """Steps 4-5 of the module docstring, under the run directory's lock."""
-    prep, cfg, run_dir, problems = p.prep, p.prep.cfg, p.prep.run_dir, p.problems
-    # read again under the lock (a torn last line, left by a kill mid-write, is cut off): another run may have added
-    # samples since the plan
-    done_rows = read_samples(run_dir / SAMPLES, repair=True)
-    work = _still_to_do(p, done_rows)
+def _open(cfg: DictConfig, device: str | None, held: ExitStack | None, started: list):
+    """Plan (writes nothing), then, in the process that owns the directory (``held``: the one process, or rank 0),
+    take the lock into ``held`` and open the run directory (:func:`_take`) and start the logger. The other ranks only
+    plan, once rank 0 has opened the directory, and get a :class:`NullLogger`. Returns ``(plan, logger)``."""
+    p = plan(cfg, device=device)
+    if held is None:
+        return p, NullLogger()
+    held.enter_context(lock_run_dir(p.prep.run_dir))  # one writer; released on any exit, kill -9 included
+    p = _take(p)
+    run_dir = p.prep.run_dir
+    run_logger = build(cfg.logger, "logger")
+    run_id = stable_hash({"dir": str(run_dir.resolve()), "protocol": comparable(run_dir, p.prep.protocol)}, 16)
+    run_logger.start(run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True), run_id=run_id)
+    started.append(run_logger)
+    return p, run_logger
+
+
+def _take(p: RunPlan) -> RunPlan:
+    """Under the lock: read the samples again (another run may have added some since the plan; a torn last line, left
+    by a kill mid-write, is cut off, in the rank part files too), then write the protocol, what was loaded and the
+    config. Returns the plan with the samples done and the work as they are now."""
+    prep, cfg, run_dir = p.prep, p.prep.cfg, p.prep.run_dir
+    done_rows = read_samples(run_dir, repair=True)
+    work = still_to_do(p, done_rows)
     logger.info(
         "run dir %s: %d problems, %d samples done, %d problems to decode",
         run_dir,
-        len(problems),
-        len({(r["problem_id"], r["sample"]) for r in done_rows}),
+        len(p.problems),
+        len(done_rows),
         len(work),
     )
-    check_protocol(run_dir, comparable(run_dir, _with_dtype(prep, work)))
+    check_protocol(run_dir, comparable(run_dir, with_dtype(prep, work)))
     check_resolved(run_dir, p.data)
+    if work:  # the weights will load: record (or check again) what they resolve to
+        check_resolved(run_dir, {"model": prep.model_spec.resolve()})
     config_file = run_dir / "config.yaml"
     if work or not config_file.exists():  # the configuration of the last invocation that decoded samples
         config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    read_jsonl_tolerant(run_dir / THROUGHPUT, repair=True)
+    read_throughput(run_dir, repair=True)
+    return replace(p, done_rows=done_rows, work=work)
 
-    run_logger = build(cfg.logger, "logger")
-    run_id = stable_hash({"dir": str(run_dir.resolve()), "protocol": comparable(run_dir, prep.protocol)}, 16)
-    run_logger.start(run_dir=run_dir, config=OmegaConf.to_container(cfg, resolve=True), run_id=run_id)
+
+def _same_work(world: World, p: RunPlan) -> None:
+    """Every rank found the same samples to decode (the shares below depend on it); a rank that read other data is
+    refused by its plan already, so this only guards the dealing itself."""
+    if world.size == 1:
+        return
+    keys = world.step("sharing the work", lambda: stable_hash([(w.problem.id, w.missing) for w in p.work], 16))
+    if len(set(keys)) > 1:
+        raise RuntimeError(
+            f"the ranks found different samples to decode ({keys}); rerun the same command (each rank reads the run "
+            "directory rank 0 opened; check that every node sees the same run directory and data)"
+        )
+
+
+def _decode_share(p: RunPlan, share: list, world: World, run_logger, progress: bool) -> dict | None:
+    """This rank's decoding and grading (the dtype from the whole run's work); ``None`` when it has nothing to do."""
+    import torch
+
+    if not share:
+        return None
+    prep = p.prep
+    rank = None if world.size == 1 else world.rank
+    spec, why = resolved_spec(prep, p.work)
+    setting = prep.cfg.generation.get("grade_workers", "auto")
+    workers = grade_workers(setting, spec.resolved_device().type, torch.get_num_threads(), world.local_size)
+    grader = Grader(prep.task, prep.thinking, sample_file(prep.run_dir, rank), *workers)
     try:
-        if work:
-            _decode(prep, work, done_rows, run_dir, run_logger, progress)
-        info = {
-            "budget_source": "explicit" if prep.explicit_budget else "ratio",
-            "policy": prep.policy.name,
-            "policy_kind": prep.policy.kind,
-            "task": prep.task.name,
-            "model": prep.model_spec.key,
-            "budget": cfg.budget if prep.policy.kind != "none" else None,
-            "window": cfg.window if prep.policy.kind != "none" else None,
-            "ratio": cfg.ratio,
-            "grader": prep.grader,
-            "protocol": prep.protocol["protocol"]["name"],
-            "run_dir": str(run_dir),
-        }
-        metrics = compute_metrics(run_dir, [p.id for p in problems], prep.n_samples, info, cfg.pass_k)
-        write_json(run_dir / "metrics.json", metrics)
-        run_logger.finish(metrics=metrics, run_dir=run_dir)
-    except BaseException:
-        run_logger.abort()
+        return decode(prep, share, p.done_rows, grader, run_logger, progress, rank, (spec, why))
+    except BaseException as err:
+        try:  # keep what was decoded: grade and write it (an interrupt: only the grades already running)
+            grader.close(drain=isinstance(err, Exception))
+        except Exception:
+            logger.exception("grading the samples decoded before the error failed")
         raise
+
+
+def _finish(p: RunPlan, sessions: list[dict | None], run_logger) -> dict:
+    """Rank 0 (or the one process): fold the rank parts in, write ``manifest.json`` and ``metrics.json``."""
+    prep, cfg, run_dir = p.prep, p.prep.cfg, p.prep.run_dir
+    fold_parts(run_dir)
+    decoded = [s for s in sessions if s is not None]
+    if len(sessions) > 1 and decoded:  # a data-parallel session: one manifest, one entry per rank that decoded
+        write_json(run_dir / "manifest.json", {**decoded[0], "ranks": [e for s in decoded for e in s["ranks"]]})
+    info = {
+        "budget_source": "explicit" if prep.explicit_budget else "ratio",
+        "policy": prep.policy.name,
+        "policy_kind": prep.policy.kind,
+        "task": prep.task.name,
+        "model": prep.model_spec.key,
+        "budget": cfg.budget if prep.policy.kind != "none" else None,
+        "window": cfg.window if prep.policy.kind != "none" else None,
+        "ratio": cfg.ratio,
+        "grader": prep.grader,
+        "protocol": prep.protocol["protocol"]["name"],
+        "run_dir": str(run_dir),
+    }
+    metrics = compute_metrics(run_dir, [q.id for q in p.problems], prep.n_samples, info, cfg.pass_k)
+    write_json(run_dir / "metrics.json", metrics)
+    run_logger.finish(metrics=metrics, run_dir=run_dir)
     return metrics
-
-
-def _still_to_do(p: RunPlan, done_rows: list[dict]) -> list[Work]:
-    """The plan's work, measured again if ``done_rows`` (read under the lock) differ from the plan's."""
-    done = {(r["problem_id"], r["sample"]) for r in done_rows}
-    if done == {(r["problem_id"], r["sample"]) for r in p.done_rows}:
-        return p.work
-    pending = [(q, [i for i in range(p.prep.n_samples) if (q.id, i) not in done]) for q in p.problems]
-    pending = [(q, missing) for q, missing in pending if missing]
-    return _measure(p.prep, pending) if pending else []
-
-
-def _measure(prep: Prepared, pending, tokenizer=None) -> list[Work]:
-    """Render and tokenize the prompts still to decode (tokenizer only); refuse a max_length no prompt fits."""
-    tokenizer = tokenizer if tokenizer is not None else prep.model_spec.load_tokenizer()
-    work = []
-    for problem, missing in pending:
-        prompt = prep.task.render(problem, tokenizer, enable_thinking=prep.thinking)
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        seeds = sample_seeds(problem_seed(prep.cfg.seed, problem.id), prep.n_samples)
-        work.append(Work(problem, ids, missing, seeds))
-    shortest = min(len(w.ids) for w in work)
-    if shortest >= prep.max_length:
-        raise ValueError(
-            f"generation.max_length: {prep.max_length} leaves no room for output (the shortest prompt has "
-            f"{shortest} tokens); raise generation.max_length"
-        )
-    for w in work:
-        if len(w.ids) < prep.max_length:
-            prep.policy.check_prompt(len(w.ids))  # e.g. keep_prompt: the prompt and the window must fit the budget
-        if len(w.ids) >= prep.max_length:
-            logger.warning(
-                "problem %s: its prompt has %d tokens >= generation.max_length=%d; its samples are recorded as "
-                "prompt_too_long (not decoded)",
-                w.problem.id,
-                len(w.ids),
-                prep.max_length,
-            )
-    return work
-
-
-def _rows_guess(prep: Prepared, work: list[Work]) -> int:
-    """Rows that will decode together, before the weights load (decides ``model.dtype=auto`` on CPU)."""
-    samples = sum(len(w.missing) for w in work) or 1
-    if prep.batching == "per_problem":
-        return max((len(w.missing) for w in work), default=1)
-    from vase.engine.memory import AUTO_CPU_ROWS
-
-    rows = prep.max_rows if isinstance(prep.max_rows, int) else AUTO_CPU_ROWS
-    return min(rows, samples)
-
-
-def _resolved_spec(prep: Prepared, work: list[Work]):
-    """The model spec with ``dtype=auto`` resolved, and why (a resumed run keeps the dtype it started with)."""
-    spec = prep.model_spec
-    if spec.dtype != "auto":
-        return spec, "model.dtype"
-    stored = prep.run_dir / PROTOCOL
-    if stored.exists():
-        dtype = read_json(stored).get("model", {}).get("dtype", "auto")
-        if dtype != "auto":
-            return replace(spec, dtype=dtype), f"auto: {dtype}, the dtype the run started with ({PROTOCOL})"
-    dtype, reason = auto_dtype(spec.resolved_device(), _rows_guess(prep, work))
-    return replace(spec, dtype=dtype), reason
-
-
-def _with_dtype(prep: Prepared, work: list[Work]) -> dict:
-    """The protocol with the dtype the weights will really have (``auto`` resolved on this machine)."""
-    if not work:  # nothing to decode: the weights never load, so the dtype is the one the run already used
-        stored = prep.run_dir / PROTOCOL
-        if prep.model_spec.dtype == "auto" and stored.exists():
-            dtype = read_json(stored).get("model", {}).get("dtype", "auto")
-            return {**prep.protocol, "model": {**prep.protocol["model"], "dtype": dtype}}
-        return prep.protocol
-    spec, _ = _resolved_spec(prep, work)
-    return {**prep.protocol, "model": {**prep.protocol["model"], "dtype": spec.dtype}}
-
-
-def _decode(prep: Prepared, work: list[Work], done_rows, run_dir: Path, run_logger, progress: bool) -> None:
-    from tqdm import tqdm
-
-    cfg, policy = prep.cfg, prep.policy
-    spec, dtype_reason = _resolved_spec(prep, work)
-    check_resolved(run_dir, {"model": spec.resolve()})  # refuse a resume on changed weights
-    t_load = time.perf_counter()
-    model, tokenizer = spec.load()
-    logger.info("model %s loaded in %.1f s (%s, %s)", spec.name, time.perf_counter() - t_load, spec.dtype, dtype_reason)
-    stop = eos_ids(model, tokenizer)
-    limits = {w.problem.id: prep.max_length - len(w.ids) for w in work}
-    fits = [w for w in work if limits[w.problem.id] >= 1]
-    if prep.batching == "per_problem":
-        plans = [([w], len(w.missing)) for w in fits]
-    else:
-        plans = [(fits, None)] if fits else []
-    too_long = [w for w in work if limits[w.problem.id] < 1]
-    recorder = None
-    if cfg.get("record_kept", False):
-        from vase.run.kept_sets import KeptSetRecorder
-
-        recorder = KeptSetRecorder()
-    by_id = {w.problem.id: w for w in work}
-    left = {w.problem.id: len(w.missing) for w in work}
-    correct = [bool(r["correct"]) for r in done_rows]
-    total = sum(len(w.missing) for w in work)
-    bar = tqdm(total=total, desc=f"{prep.task.name}/{policy.name}", unit="sample", disable=not progress)
-    manifest_written = False
-    for group, rows in plans + ([(too_long, 1)] if too_long else []):
-        capacity = max(cache_capacity(policy, len(w.ids), max(1, limits[w.problem.id])) for w in group)
-        geometry = model_geometry(model, 1, capacity, prompt_len=max(len(w.ids) for w in group))
-        plan = plan_rows(
-            geometry,
-            policy,
-            max_rows=rows if rows is not None else prep.max_rows,
-            kv_memory=None if rows is not None else prep.kv_memory,
-            samples=sum(len(w.missing) for w in group),
-        )
-        dec = Decoder(
-            model,
-            policy,
-            rows=plan.rows,
-            capacity=capacity,
-            sampling=prep.sampling,
-            max_length=prep.max_length,
-            eos_token_ids=stop,
-            stop_when=_loop_stop(tokenizer) if cfg.generation.get("stop_on_loop", False) else None,
-            attn_backend=cfg.generation.attn_backend,
-            sync_every=cfg.generation.sync_every,
-            on_cache=None if recorder is None else recorder.attach,
-            score_dtype=prep.score_dtype,
-        )
-        if not manifest_written:
-            write_manifest(prep, run_dir, model, tokenizer, spec, dtype_reason, dec, plan, stop)
-            manifest_written = True
-        meter = ThroughputLog(run_dir, dec)
-        if rows is None or len(plans) <= 1:
-            logger.info(
-                "decoding %d samples: %d rows in flight (%s), %d slots per row, %.1f MiB of KV storage",
-                sum(len(w.missing) for w in group),
-                plan.rows,
-                plan.reason,
-                capacity,
-                dec.geometry.kv_bytes / 2**20,
-            )
-        requests = [Request(w.ids, [w.seeds[i] for i in w.missing], key=w.problem.id, samples=w.missing) for w in group]
-        dec.on_step = lambda info, m=meter: m.step(bar, info)
-        try:
-            for fin in dec.run(requests):
-                w = by_id[fin.key]
-                row = _grade(prep, w, fin, tokenizer, dec)
-                write_sample(run_dir, row)  # durable before the next sample
-                correct.append(row["correct"])
-                left[fin.key] -= 1
-                if recorder is not None and left[fin.key] == 0:
-                    from vase.run.kept_sets import kept_sets_path
-
-                    recorder.dump(kept_sets_path(run_dir, fin.key), recorder.take(fin.key))
-                bar.update(1)
-                meter.sample(bar, correct, run_logger)
-        finally:
-            meter.flush()
-    bar.close()
-
-
-def _loop_stop(tokenizer):
-    """``stop_when`` for ``generation.stop_on_loop``: the paper's loop detector on the decoded tail of a sample."""
-    from vase.run.metrics import LOOP_WINDOW, has_loop
-
-    tail_tokens = LOOP_WINDOW // 2  # >= 500 characters for any tokenizer of >= 2 characters per token
-
-    def stop(tokens: list[int]) -> bool:
-        return has_loop(tokenizer.decode(tokens[-tail_tokens:], skip_special_tokens=True))
-
-    return stop
-
-
-def _grade(prep: Prepared, w: Work, fin, tokenizer, dec: Decoder) -> dict:
-    """Decode, grade and describe one finished sample."""
-    text = tokenizer.decode(fin.tokens, skip_special_tokens=True)
-    grade = None
-    if fin.finish_reason not in ("prompt_too_long", "nonfinite"):
-        grade = prep.task.grade_many([(w.problem, text)], thinking=prep.thinking)[0]
-    evicts = prep.policy.kind == "eviction"
-    return sample_row(
-        w.problem,
-        fin,
-        text,
-        grade,
-        thinking=prep.thinking,
-        budget=prep.cfg.budget if prep.policy.kind != "none" else None,
-        window=prep.cfg.window,
-        evicts=evicts,
-        bytes_per_token=dec.geometry.bytes_per_token,
-        max_length=prep.max_length,
-        grader=prep.grader,
-        rules=prep.task.grader_rules,
-        policy=prep.policy,
-    )

@@ -13,8 +13,13 @@
   a job that left no outcome (killed, out of memory) is reported as such.
 
 ``sweep_summary.json``: ``{"sweep_dir", "jobs", "ok", "failed", "results": [{"num", "overrides", "status"
-("ok" | "failed" | "no outcome"), "error" (one line), "kind" ("bad input" | "busy" | "machine" | "bug" | "killed"),
-"run_dir", "accuracy", "complete", "job_dir"}]}``.
+("ok" | "failed" | "no outcome"), "error" (one line), "kind" ("bad input" | "busy" | "machine" | "bug" | "rank
+failed" | "killed"), "run_dir", "accuracy", "complete", "job_dir"}]}``.
+
+Several processes (``torchrun``, :mod:`vase.run.distributed`): every rank runs every job, and a job that fails fails
+on every rank with the same one line (another rank's failure is :class:`vase.run.distributed.RankFailed` there, kind
+``rank failed``). Rank 0 alone records outcomes (``vase_job.json``), prints the summary and prints a run's metrics;
+every rank exits 1 when a job failed. The other ranks' Hydra directories (``rank<r>/`` under rank 0's) are not jobs.
 
 Only the standard library and Hydra/OmegaConf are imported at module level (Hydra instantiates the callback in every
 ``run.py`` process).
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import traceback
 from collections.abc import Callable
@@ -40,6 +46,18 @@ SUMMARY_FILE = "sweep_summary.json"
 TRACEBACK_FILE = "traceback.txt"
 #: the outcome of the last multirun in this process (set by :class:`SweepSummary`), read by ``run.py``
 last_summary: dict | None = None
+_failed_here = 0  # jobs of the current multirun that failed in this process (every rank counts its own)
+
+
+def is_leader() -> bool:
+    """Rank 0 of a multi-process launch, or the one process (read from the environment; no process group needed)."""
+    from vase.run.distributed import launch_from_env
+
+    try:
+        launch = launch_from_env()
+    except ValueError:
+        return True
+    return launch is None or launch.rank == 0
 
 
 def one_line(text: object) -> str:
@@ -49,10 +67,13 @@ def one_line(text: object) -> str:
 
 def classify(err: BaseException) -> tuple[str, str, int]:
     """``(kind, one line, exit code)`` of an error a job raised."""
-    from vase.run.results import RunDirBusy
+    from vase.run.distributed import RankFailed
+    from vase.run.rundir import RunDirBusy
 
     if isinstance(err, RunDirBusy):
         return "busy", one_line(err), 2
+    if isinstance(err, RankFailed):  # another rank's error (its traceback is in that rank's log), or a lost rank
+        return "rank failed", one_line(err), 1
     if isinstance(err, ModuleNotFoundError):
         from vase.run.preflight import missing_package
 
@@ -90,6 +111,7 @@ def run_job(cfg: DictConfig, report: Callable[[dict], None]) -> float | None:
     metrics of a successful run. Returns the accuracy (Hydra's job return value), ``None`` for a failed job."""
     from vase.run.runner import run
 
+    global _failed_here
     multirun = _is_multirun()
     try:
         metrics = run(cfg, progress=cfg.progress)
@@ -103,8 +125,11 @@ def run_job(cfg: DictConfig, report: Callable[[dict], None]) -> float | None:
         logger.error("error: %s", line)
         if not multirun:
             sys.exit(code)
+        _failed_here += 1
         _write_outcome({"status": "failed", "error": line, "kind": kind})
         return None
+    if not is_leader():  # rank 0 reports the run, once
+        return metrics.get("accuracy")
     report(metrics)
     if multirun:
         keys = ("run_dir", "accuracy", "complete", "samples")
@@ -129,7 +154,7 @@ def _write_outcome(outcome: dict) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     job_dir = _job_dir()
-    if job_dir is None:
+    if job_dir is None or not is_leader():  # recorded once, by rank 0
         return
     hc = HydraConfig.get()
     outcome = {"num": hc.job.num, "overrides": list(hc.overrides.task), **outcome}
@@ -144,8 +169,8 @@ class SweepSummary(Callback):
     """Gathers the jobs' outcomes of a multirun (see the module docstring)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        global last_summary
-        last_summary = None
+        global last_summary, _failed_here
+        last_summary, _failed_here = None, 0
         sweep_dir = Path(str(config.hydra.sweep.dir))
         if sweep_dir.is_dir():  # a reused sweep directory: outcomes of an earlier sweep are not this one's
             for stale in sweep_dir.rglob(JOB_FILE):
@@ -156,12 +181,17 @@ class SweepSummary(Callback):
 
         # an exception that left the task function (raise_errors=true): record it like any failed job
         if _is_multirun() and getattr(job_return, "status", None) == JobStatus.FAILED:
+            global _failed_here
+            _failed_here += 1
             err = job_return._return_value
             kind, line, _ = classify(err) if isinstance(err, BaseException) else ("bug", one_line(err), 1)
             _write_outcome({"status": "failed", "error": line, "kind": kind})
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         global last_summary
+        if not is_leader():  # rank 0 writes and prints the summary; this rank's exit code follows its own jobs
+            last_summary = {"jobs": None, "ok": None, "failed": _failed_here, "results": []}
+            return
         last_summary = summarize(Path(str(config.hydra.sweep.dir)))
         results = last_summary["results"]
         failed = [r for r in results if r["status"] != "ok"]
@@ -184,6 +214,10 @@ def summarize(sweep_dir: Path) -> dict:
     job_dirs = {p.parent.parent for p in sweep_dir.rglob(".hydra/overrides.yaml")}
     job_dirs |= {p.parent for p in sweep_dir.rglob(JOB_FILE)}
     job_dirs = {d for d in job_dirs if ".submitit" not in d.parts}
+    # the Hydra directories of the other ranks of a torchrun launch (rank<r>/ under rank 0's) hold no jobs of their own
+    job_dirs = {
+        d for d in job_dirs if not any(re.fullmatch(r"rank\d+", part) for part in d.relative_to(sweep_dir).parts)
+    }
     results = []
     for job_dir in sorted(job_dirs, key=lambda d: (len(d.parts), str(d))):
         path = job_dir / JOB_FILE
