@@ -142,3 +142,14 @@ def test_b10_nan_in_the_model_is_a_numerical_failure_not_a_loop(tmp_path, monkey
     assert len(rows) == 4 and all(r["finish_reason"] == "nonfinite" for r in rows)
     assert all(r["loop_class"] == "nonfinite" and r["error"] and not r["correct"] for r in rows)
     assert metrics["complete"] and metrics["nonfinite_samples"] == 4 and metrics["loop_rate"] == 0
+
+
+def test_unknown_problem_id_is_refused_before_anything(tmp_path, no_weights):
+    results = tmp_path / "results"
+    with pytest.raises(ValueError, match=r"^task\.problem_ids: no problem '42-999' in task gsm_symbolic") as err:
+        run(_compose([*TINY, "task.problem_ids=[42-1,42-999]", f"results_dir={results}"]), progress=False)
+    assert "\n" not in str(err.value)
+    assert not results.exists()
+    prep = prepare(_compose([*TINY, "task.problem_ids=[42-3,42-1]", f"results_dir={results}"]))
+    assert [p.id for p in prep.task.load()] == ["42-1", "42-3"]
+    assert "problem_ids" not in prep.protocol["task"]  # like limit: which problems, not how each is decoded

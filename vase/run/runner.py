@@ -48,7 +48,7 @@ from vase.run.results import (
 logger = logging.getLogger(__name__)
 
 # Settings that do not change results: excluded from the protocol comparison on resume.
-NON_PROTOCOL_TASK_KEYS = ("limit", "shard", "num_shards", "data_dir", "max_workers")
+NON_PROTOCOL_TASK_KEYS = ("problem_ids", "limit", "shard", "num_shards", "data_dir", "max_workers")
 NON_PROTOCOL_GENERATION_KEYS = ("sync_every", "attn_backend", "batching", "max_rows", "kv_memory")
 
 
