@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from tests.test_analysis import make_run
+from tests.test_tasks import SHARED, needs_shared
 from vase.analysis.pilot import (
     BEGIN,
     BLOCKS,
@@ -22,6 +24,8 @@ from vase.analysis.pilot import (
     selection_table,
     update_block,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -170,3 +174,49 @@ def test_selection_keeps_the_problems_between_floor_and_ceiling(tmp_path: Path):
     assert 'problem_ids: ["p1", "p3", "p4"]' in out and "0: 1, 1: 1, 2: 1, 3: 1, 4: 1" in out
     bad = subprocess.run([sys.executable, str(script), str(root), "--low", "0.9", "--high", "0.1"], capture_output=True)
     assert bad.returncode == 2 and b"--low/--high" in bad.stderr
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The second pilot's sweeps: one protocol, the committed problem sets
+
+
+def _sweep(name: str, *overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=[f"sweep={name}", *overrides], return_hydra_config=True)
+
+
+def test_reasoning_pilot_sweeps_share_one_protocol():
+    main = _sweep("pilot_reasoning")
+    keep = _sweep("pilot_reasoning_keep_prompt", "policy=snapkv")
+    control = _sweep("pilot_reasoning_control")
+    select = _sweep("pilot_reasoning_select")
+    protocol = ("model.key", "task.name", "n_samples", "budget", "window", "generation.max_length")
+    for other in (keep, control, select):
+        assert [OmegaConf.select(other, k) for k in protocol] == [OmegaConf.select(main, k) for k in protocol]
+        assert other.generation.stop_on_loop is True
+    assert main.budget % main.window == 0
+    # the same seed for the pilot, its prompt-keeping variants and the control; the selection has its own
+    assert main.seed == keep.seed == control.seed != select.seed
+    assert main.results_dir == keep.results_dir
+    assert len({main.results_dir, control.results_dir, select.results_dir}) == 3
+    policies = main.hydra.sweeper.params.policy.split(",")
+    assert policies[0] == "full" and {"random", "random_keep_prompt", "snapkv", "vase_attnv"} <= set(policies)
+    assert keep.policy.keep_prompt is True and "full" not in keep.hydra.sweeper.params.policy.split(",")
+    assert control.policy._target_.endswith("FullCache") and select.policy._target_.endswith("FullCache")
+    chosen, pool, ctl = (list(c.task.problem_ids) for c in (main, select, control))
+    assert set(chosen) <= set(pool)  # chosen from the selection pool...
+    assert not set(ctl) & set(pool) and len(ctl) == len(chosen)  # ...the control from the other half, as many
+    assert keep.task.problem_ids == main.task.problem_ids
+
+
+@needs_shared
+def test_reasoning_pilot_problem_ids_exist_in_the_local_math500():
+    from tasks.math_tasks import MATH500
+
+    for name in ("pilot_reasoning", "pilot_reasoning_control", "pilot_reasoning_select"):
+        ids = list(_sweep(name).task.problem_ids)
+        problems = MATH500(data_dir=str(SHARED), problem_ids=ids).load()
+        assert sorted(p.id for p in problems) == sorted(ids)
+        assert {p.meta["level"] for p in problems} <= {1, 2}
