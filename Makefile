@@ -88,14 +88,14 @@ pilot-reasoning: setup-models  ## the second CPU pilot, in the paper's regime (M
 	@start=$$(date +%s); \
 	$(PY) run.py -m sweep=pilot_reasoning $(REASONING_ARGS) && \
 	$(PY) run.py -m sweep=pilot_reasoning_keep_prompt $(REASONING_ARGS) && \
-	$(PY) run.py sweep=pilot_reasoning_control $(REASONING_ARGS) && \
+	$(PY) run.py -m sweep=pilot_reasoning_control $(REASONING_ARGS) && \
 	$(PY) scripts/report.py results/pilot_reasoning --out results/pilot_reasoning/report && \
 	$(PY) scripts/pilot_report.py results/pilot_reasoning --block reasoning --control results/pilot_reasoning_control \
 		$(if $(wildcard results/pilot_reasoning_select),--selection results/pilot_reasoning_select) \
 		--update docs/pilot.md --wall-seconds $$(( $$(date +%s) - start ))
 
 pilot-reasoning-select: setup-models  ## the second pilot's selection run (full cache, seed 1000) and the ids it selects
-	$(PY) run.py sweep=pilot_reasoning_select $(REASONING_ARGS)
+	$(PY) run.py -m sweep=pilot_reasoning_select $(REASONING_ARGS)
 	$(PY) scripts/pilot_select.py results/pilot_reasoning_select --low 0.25 --high 0.75
 
 test: setup  ## the fast test suite (no downloads, no GPU)
