@@ -135,6 +135,19 @@ def test_reasoning_comparisons_by_hand(reasoning_tree: Path):
     assert len(snap) == 2 and any("keep_prompt=True" in m for m in snap["method"])
 
 
+def test_random_attention_as_random_with_keep_prompt_is_paired_too(tmp_path: Path):
+    # Random Attention written as random eviction with keep_prompt=true (not its own policy) is the same side
+    root = tmp_path / "pilot_reasoning"
+    make_run(root, "full", "humaneval", "full", 64, FULL, window=16)
+    make_run(root, "random", "humaneval", "random", 64, REASONING[("random", None)], window=16)
+    keep = REASONING[("random_keep_prompt", None)]
+    make_run(root, "random-keep", "humaneval", "random", 64, keep, params={"keep_prompt": True}, window=16)
+    comp = pilot_comparisons(root).set_index("comparison")
+    mean, se = _paired_by_hand(keep, REASONING[("random", None)])
+    assert comp.loc["keeping the prompt: random", "delta"] == pytest.approx(mean)
+    assert comp.loc["keeping the prompt: random", "delta_se"] == pytest.approx(se)
+
+
 def test_reasoning_block_with_selection_and_control(reasoning_tree: Path, tmp_path: Path):
     selection = tmp_path / "select"
     # the selection run covered more problems (its seed differs); only the pilot's selected ones are reported
@@ -143,7 +156,7 @@ def test_reasoning_block_with_selection_and_control(reasoning_tree: Path, tmp_pa
     make_run(control, "full", "humaneval", "full", 64, {"c0": [1, 1], "c1": [0, 0], "c2": [0, 1]}, window=16)
     text = reasoning_markdown(reasoning_tree, control=control, selection=selection, command="make pilot-reasoning")
     assert "B − P̄ − W = 38" in text and "152 / 38 = 4.0×" in text and "holds every prompt" in text
-    assert "| SnapKV + sampling | 64 | 37.5 ±" in text
+    assert "| SnapKV + sampling | 64 | 37.5 ±" in text and "| Random, prompt kept | 64 | 50.0 ±" in text
     assert "| sampling instead of top-k | SnapKV + sampling |" in text
     sel = next(line for line in text.splitlines() if line.startswith("- the selection run"))
     assert "62.5" in sel and "4 problems × 2 samples" in sel and "seed 1000" in sel  # p9 left out

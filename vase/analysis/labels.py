@@ -49,6 +49,7 @@ POLICY_LABELS = {
     "quest": "Quest",
     "streaming": "StreamingLLM",
     "random": "Random eviction",
+    "random_keep_prompt": "Random, prompt kept",
     "evict_large_value": "Evict large values",
     "snapkv_sample": "SnapKV + sampling",
     "snapkv_protect": "SnapKV + protection",
@@ -64,6 +65,7 @@ POLICY_ORDER = (
     "quest",
     "streaming",
     "random",
+    "random_keep_prompt",
     "evict_large_value",
     "snapkv_sample",
     "snapkv_protect",
@@ -72,6 +74,7 @@ POLICY_ORDER = (
 PILOT_ORDER = (
     "full",
     "random",
+    "random_keep_prompt",
     "evict_large_value",
     "snapkv",
     "snapkv_sample",
