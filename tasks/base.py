@@ -4,10 +4,11 @@ A task is mostly data (where its problems come from, the prompt template, genera
 ``conf/task/<name>.yaml`` names a :class:`Task` subclass as ``_target_`` and sets its fields; the runner builds it
 with ``hydra.utils.instantiate`` and only uses the methods below, never the concrete type.
 
-Loading order is deterministic (the dataset's own order). ``limit`` is applied first, then sharding: ``limit``
-defines the problem set (e.g. the first 500 GSM8K test problems), and shard ``i`` of ``n`` takes every ``n``-th
-problem of that set starting at ``i`` (round-robin, so shards get a similar mix of easy and hard problems). The union
-of all shards is therefore exactly the unsharded set, whatever ``num_shards`` is.
+Loading order is deterministic (the dataset's own order). ``problem_ids`` is applied first (only those problems, in
+the dataset's order; every id must exist), then ``limit``, then sharding: ``problem_ids`` and ``limit`` define the
+problem set (e.g. the first 500 GSM8K test problems, or a committed list chosen by a selection run), and shard ``i``
+of ``n`` takes every ``n``-th problem of that set starting at ``i`` (round-robin, so shards get a similar mix of easy
+and hard problems). The union of all shards is therefore exactly the unsharded set, whatever ``num_shards`` is.
 
 Loading from the Hugging Face hub uses pinned revisions: each task's ``pins`` (commit shas, see
 ``docs/reproducibility.md``), overridden by ``task.revision`` (a sha, or for a task that loads several datasets a
@@ -87,6 +88,9 @@ class Task:
     Attributes:
         name: the task's name (as in ``conf/task/<name>.yaml``).
         data_dir: directory of local JSONL files in the ``../shared/data`` schema; ``None`` loads from the hub.
+        problem_ids: keep only these problems (applied before ``limit`` and sharding; the dataset's order is kept);
+            every id must exist in the task (ids as in ``samples.jsonl``, e.g. ``"HumanEval/12"``). ``None`` keeps
+            them all.
         limit: keep only the first ``limit`` problems (applied before sharding).
         shard: index of this shard, in ``[0, num_shards)``.
         num_shards: number of shards; shard ``i`` takes problems ``i, i + n, i + 2n, ...`` of the limited set.
@@ -104,6 +108,7 @@ class Task:
 
     name: str = ""
     data_dir: str | None = None
+    problem_ids: list[str] | None = None
     limit: int | None = None
     shard: int = 0
     num_shards: int = 1
@@ -129,6 +134,7 @@ class Task:
             self.name = type(self).__name__.lower()
         if self.limit is not None and self.limit < 0:
             raise ValueError(f"task.limit: must be >= 0, got {self.limit}")
+        self.problem_ids = self._checked_ids(self.problem_ids)
         if self.num_shards < 1:
             raise ValueError(f"task.num_shards: must be >= 1, got {self.num_shards}")
         if not 0 <= self.shard < self.num_shards:
@@ -155,6 +161,21 @@ class Task:
         self.revision = self._checked_revision(self.revision)
         self._resolved: list[dict] = []
         self._loaded = False
+
+    @staticmethod
+    def _checked_ids(ids: Any) -> list[str] | None:
+        """``task.problem_ids`` validated: ``None`` or a non-empty list of distinct ids (numbers taken as text)."""
+        if ids is None:
+            return None
+        if isinstance(ids, (str, bytes, Mapping)) or not isinstance(ids, Iterable):
+            raise ValueError(f"task.problem_ids: must be a list of problem ids or null, got {ids!r}")
+        out = [str(i) for i in ids]
+        if not out:
+            raise ValueError("task.problem_ids: the list is empty; leave it null to keep every problem")
+        dup = sorted({i for i in out if out.count(i) > 1})
+        if dup:
+            raise ValueError(f"task.problem_ids: listed more than once: {', '.join(dup)}")
+        return out
 
     def _checked_revision(self, rev: Any) -> str | dict[str, str] | None:
         """``task.revision`` validated and completed with the pins."""
@@ -223,25 +244,43 @@ class Task:
         return [dict(src) for src in self._resolved]
 
     def load(self) -> list[Problem]:
-        """The problems of this shard, in a deterministic order (``limit`` first, then round-robin sharding)."""
+        """The problems of this shard, in a deterministic order (``problem_ids``, ``limit``, round-robin sharding)."""
         self._resolved, self._loaded = [], False
         problems = list(self.select(self.load_all(), key=lambda p: p.id))
         self._loaded = True
         return problems
 
     def select(self, items: Iterable[T], key: Callable[[T], str]) -> Iterator[T]:
-        """This shard's items, lazily: of the first ``limit`` of ``items`` (nothing after them is read), every
-        ``num_shards``-th from ``shard``. Duplicate ids (``key``) within the limited set are an error."""
+        """This shard's items, lazily: of the items named by ``problem_ids`` (all when ``None``), the first ``limit``
+        (nothing after them is read unless ``problem_ids`` must still be checked), every ``num_shards``-th from
+        ``shard``. Duplicate ids (``key``) within the set are an error, and so is an id of ``problem_ids`` that no
+        item has (one line naming it, raised once every item has been read)."""
+        wanted = None if self.problem_ids is None else set(self.problem_ids)
         seen: set[str] = set()
-        for k, item in enumerate(items):
-            if self.limit is not None and k >= self.limit:
-                break
+        example = None
+        k = 0
+        for item in items:
             ident = key(item)
+            example = ident if example is None else example
+            if wanted is not None and ident not in wanted:
+                continue
+            if self.limit is not None and k >= self.limit:
+                if wanted is None:
+                    break
+                seen.add(ident)  # past the limit: read on only to check that every listed id exists
+                continue
             if ident in seen:
                 raise ValueError(f"task {self.name}: duplicate problem id {ident!r}")
             seen.add(ident)
             if k % self.num_shards == self.shard:
                 yield item
+            k += 1
+        if wanted is not None and not wanted <= seen:
+            missing = [i for i in self.problem_ids or [] if i not in seen]
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            shown = ", ".join(repr(i) for i in missing[:5]) + more
+            hint = f" (its ids look like {example!r})" if example is not None else ""
+            raise ValueError(f"task.problem_ids: no problem {shown} in task {self.name}{hint}; fix or remove it")
 
     def record_source(self, source: Mapping[str, Any]) -> None:
         """Note a source read by :meth:`load` (see :meth:`resolved_sources`); repeated sources are kept once."""

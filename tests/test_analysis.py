@@ -54,6 +54,11 @@ TARGETS = {
     "vase_attnv": "vase.policies.attnv.VaSEAttnV",
     "snapkv_protect": "baselines.snapkv.SnapKVProtect",
     "random": "baselines.random.RandomEviction",
+    "random_keep_prompt": "baselines.random.RandomKeepPrompt",
+    "snapkv_sample": "baselines.snapkv.SnapKVSample",
+    "curdkv": "baselines.curdkv.CurDKV",
+    "vase_dkv": "vase.policies.dkv.VaSEDKV",
+    "evict_large_value": "baselines.evict_large_value.EvictLargeValue",
 }
 KINDS = {"full": "none"}
 

@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from tests.test_analysis import make_run
-from vase.analysis.pilot import BEGIN, END, pilot_markdown, pilot_table, update_block
+from tests.test_tasks import SHARED, needs_shared
+from vase.analysis.pilot import (
+    BEGIN,
+    BLOCKS,
+    END,
+    pilot_comparisons,
+    pilot_markdown,
+    pilot_regime,
+    pilot_table,
+    reasoning_markdown,
+    selection_table,
+    update_block,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -83,3 +100,175 @@ def test_both_grader_rules_and_the_paper_rows_of_the_gsm8k_pilot(tmp_path: Path)
     m = compute_metrics(root / "protect16", ["p0", "p1"], 2, {}, [1, 2])
     assert m["accuracy_strict"] == 0.5 and m["accuracy_last_boxed"] == 0.75 and m["pass@2_strict"] == 1.0
     assert m["accuracy_strict_stderr"] == 0.0 and m["answered_rate_strict"] == 0.5
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The second pilot (the paper's regime): regime, paired comparisons, the full cache on other problem sets, its block
+
+FULL = {"p0": [1, 1], "p1": [1, 1], "p2": [1, 0], "p3": [0, 0]}
+REASONING = {  # (policy, params) -> per-problem correct samples; every run at budget 64, window 16
+    ("random", None): {"p0": [1, 0], "p1": [0, 0], "p2": [0, 0], "p3": [0, 0]},
+    ("random_keep_prompt", None): {"p0": [1, 1], "p1": [1, 0], "p2": [1, 0], "p3": [0, 0]},
+    ("evict_large_value", None): {"p0": [0, 0], "p1": [0, 0], "p2": [0, 0], "p3": [0, 0]},
+    ("snapkv", None): {"p0": [1, 0], "p1": [0, 1], "p2": [0, 0], "p3": [0, 0]},
+    ("snapkv", True): {"p0": [1, 1], "p1": [1, 1], "p2": [0, 0], "p3": [0, 0]},
+    ("snapkv_sample", None): {"p0": [1, 1], "p1": [0, 1], "p2": [0, 0], "p3": [0, 0]},
+    ("vase_attnv", None): {"p0": [1, 1], "p1": [1, 1], "p2": [1, 0], "p3": [0, 0]},
+    ("curdkv", None): {"p0": [1, 1], "p1": [0, 0], "p2": [0, 0], "p3": [0, 0]},
+    ("vase_dkv", None): {"p0": [1, 1], "p1": [1, 0], "p2": [1, 0], "p3": [1, 0]},
+}
+
+
+def _paired_by_hand(a: dict, b: dict) -> tuple[float, float]:
+    d = [100 * (sum(a[p]) - sum(b[p])) / len(a[p]) for p in a]
+    mean = sum(d) / len(d)
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1)) / math.sqrt(len(d))
+
+
+@pytest.fixture
+def reasoning_tree(tmp_path: Path) -> Path:
+    root = tmp_path / "pilot_reasoning"
+    # prompts are 10 tokens (make_run); the full cache writes 152 tokens: 64 - 10 - 16 = 38 slots, 152 / 38 = 4x
+    make_run(root, "full", "humaneval", "full", 64, FULL, tokens=[152] * 8, window=16)
+    for (policy, keep), correct in REASONING.items():
+        params = None if keep is None else {"keep_prompt": keep}
+        name = policy + ("-keep" if keep else "")
+        make_run(root, name, "humaneval", policy, 64, correct, params=params, window=16)
+    return root
+
+
+def test_reasoning_regime_is_measured_on_the_full_cache(reasoning_tree: Path):
+    r = pilot_regime(reasoning_tree).iloc[0]
+    assert (r["budget"], r["window"], r["problems"]) == (64, 16, 4)
+    assert r["prompt_mean"] == 10 and r["prompt_max"] == 10 and r["full_output_mean"] == 152
+    assert r["gen_slots"] == pytest.approx(38.0) and r["gen_compression"] == pytest.approx(4.0)
+    assert bool(r["holds_prompts"])  # 64 >= 10 + 16
+
+
+def test_reasoning_comparisons_by_hand(reasoning_tree: Path):
+    comp = pilot_comparisons(reasoning_tree).set_index("comparison")
+    cases = {
+        "sampling instead of top-k": (("snapkv_sample", None), ("snapkv", None)),
+        "value protection on top of sampling": (("vase_attnv", None), ("snapkv_sample", None)),
+        "a resampled sketch (VaSE-DKV vs CurDKV)": (("vase_dkv", None), ("curdkv", None)),
+        "keeping the prompt: SnapKV": (("snapkv", True), ("snapkv", None)),
+        "keeping the prompt: random": (("random_keep_prompt", None), ("random", None)),
+        "Random Attention vs VaSE-AttnV": (("random_keep_prompt", None), ("vase_attnv", None)),
+        "Random Attention vs SnapKV + keep prompt": (("random_keep_prompt", None), ("snapkv", True)),
+        "evicting the large values vs random": (("evict_large_value", None), ("random", None)),
+    }
+    for what, (a, b) in cases.items():
+        mean, se = _paired_by_hand(REASONING[a], REASONING[b])
+        assert comp.loc[what, "delta"] == pytest.approx(mean), what
+        assert comp.loc[what, "delta_se"] == pytest.approx(se), what
+        assert comp.loc[what, "problems"] == 4
+    assert comp.loc["keeping the prompt: SnapKV", "delta"] == pytest.approx(25.0)
+    assert comp.loc["sampling instead of top-k", "paper_gsm8k"] == pytest.approx(6.6)
+    assert "keeping the prompt: VaSE-AttnV" not in comp.index  # no vase_attnv + keep_prompt run in the tree
+    # the two SnapKV runs are two rows of the policy table, the kept-prompt one named by its setting
+    table = pilot_table(reasoning_tree)
+    snap = table[table["policy"].str.startswith("snapkv[") | (table["policy"] == "snapkv")]
+    assert len(snap) == 2 and any("keep_prompt=True" in m for m in snap["method"])
+
+
+def test_random_attention_as_random_with_keep_prompt_is_paired_too(tmp_path: Path):
+    # Random Attention written as random eviction with keep_prompt=true (not its own policy) is the same side
+    root = tmp_path / "pilot_reasoning"
+    make_run(root, "full", "humaneval", "full", 64, FULL, window=16)
+    make_run(root, "random", "humaneval", "random", 64, REASONING[("random", None)], window=16)
+    keep = REASONING[("random_keep_prompt", None)]
+    make_run(root, "random-keep", "humaneval", "random", 64, keep, params={"keep_prompt": True}, window=16)
+    comp = pilot_comparisons(root).set_index("comparison")
+    mean, se = _paired_by_hand(keep, REASONING[("random", None)])
+    assert comp.loc["keeping the prompt: random", "delta"] == pytest.approx(mean)
+    assert comp.loc["keeping the prompt: random", "delta_se"] == pytest.approx(se)
+
+
+def test_reasoning_block_with_selection_and_control(reasoning_tree: Path, tmp_path: Path):
+    selection = tmp_path / "select"
+    # the selection run covered more problems (its seed differs); only the pilot's selected ones are reported
+    make_run(selection, "full", "humaneval", "full", 64, {**FULL, "p9": [0, 0]}, seed=1000, window=16)
+    control = tmp_path / "control"
+    make_run(control, "full", "humaneval", "full", 64, {"c0": [1, 1], "c1": [0, 0], "c2": [0, 1]}, window=16)
+    text = reasoning_markdown(reasoning_tree, control=control, selection=selection, command="make pilot-reasoning")
+    assert "B − P̄ − W = 38" in text and "152 / 38 = 4.0×" in text and "holds every prompt" in text
+    assert "| SnapKV + sampling | 64 | 37.5 ±" in text and "| Random, prompt kept | 64 | 50.0 ±" in text
+    assert "| sampling instead of top-k | SnapKV + sampling |" in text
+    sel = next(line for line in text.splitlines() if line.startswith("- the selection run"))
+    assert "62.5" in sel and "4 problems × 2 samples" in sel and "seed 1000" in sel  # p9 left out
+    ctl = next(line for line in text.splitlines() if "unselected control" in line)
+    assert "50.0 ± 28.9 %" in ctl and "3 problems × 2 samples" in ctl
+    doc = tmp_path / "pilot.md"
+    begin, end = BLOCKS["reasoning"]
+    doc.write_text(f"# Pilot\n{BEGIN}\nfirst pilot\n{END}\nmiddle\n{begin}\nOLD-BLOCK\n{end}\nafter\n")
+    update_block(doc, text, "reasoning")
+    content = doc.read_text()
+    assert "first pilot" in content and "OLD-BLOCK" not in content and "middle" in content and "after" in content
+    assert content.index(END) < content.index("Regime (humaneval")
+    update_block(doc, "new first\n")  # the first pilot's block is still the default
+    assert "first pilot" not in doc.read_text() and "Regime (humaneval" in doc.read_text()
+
+
+def test_selection_keeps_the_problems_between_floor_and_ceiling(tmp_path: Path):
+    root = tmp_path / "select"
+    correct = {"p0": [1, 1, 1, 1], "p1": [1, 0, 0, 0], "p2": [0, 0, 0, 0], "p3": [1, 1, 0, 1], "p4": [0, 1, 1, 0]}
+    make_run(root, "full", "humaneval", "full", 64, correct, seed=1000)
+    make_run(root, "snap", "humaneval", "snapkv", 64, {p: [0, 0, 0, 0] for p in correct}, seed=1000)  # not read
+    t = selection_table(root, 0.25, 0.75).set_index("problem_id")
+    assert list(t["correct"]) == [4, 1, 0, 3, 2] and list(t["samples"]) == [4] * 5
+    assert list(t.index[t["selected"]]) == ["p1", "p3", "p4"]
+    assert list(selection_table(root, 0.5, 1.0).query("selected")["problem_id"]) == ["p0", "p3", "p4"]
+    script = Path(__file__).resolve().parents[1] / "scripts" / "pilot_select.py"
+    out = subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, check=True).stdout
+    assert 'problem_ids: ["p1", "p3", "p4"]' in out and "0: 1, 1: 1, 2: 1, 3: 1, 4: 1" in out
+    bad = subprocess.run([sys.executable, str(script), str(root), "--low", "0.9", "--high", "0.1"], capture_output=True)
+    assert bad.returncode == 2 and b"--low/--high" in bad.stderr
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The second pilot's sweeps: one protocol, the committed problem sets
+
+
+def _sweep(name: str, *overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=[f"sweep={name}", *overrides], return_hydra_config=True)
+
+
+def test_reasoning_pilot_sweeps_share_one_protocol():
+    main = _sweep("pilot_reasoning")
+    keep = _sweep("pilot_reasoning_keep_prompt", "policy=snapkv")
+    control = _sweep("pilot_reasoning_control")
+    select = _sweep("pilot_reasoning_select")
+    protocol = ("model.key", "task.name", "n_samples", "budget", "window", "generation.max_length")
+    for other in (keep, control, select):
+        same = protocol[:-1] if other is select else protocol
+        assert [OmegaConf.select(other, k) for k in same] == [OmegaConf.select(main, k) for k in same]
+        assert other.generation.stop_on_loop is True
+    # the committed selection was run with a longer limit than the pilot's (docs/pilot.md says why it is the same)
+    assert select.generation.max_length >= main.generation.max_length
+    assert main.budget % main.window == 0
+    # the same seed for the pilot, its prompt-keeping variants and the control; the selection has its own
+    assert main.seed == keep.seed == control.seed != select.seed
+    assert main.results_dir == keep.results_dir
+    assert len({main.results_dir, control.results_dir, select.results_dir}) == 3
+    policies = main.hydra.sweeper.params.policy.split(",")
+    assert policies[0] == "full" and {"random", "random_keep_prompt", "snapkv", "vase_attnv"} <= set(policies)
+    assert keep.policy.keep_prompt is True and "full" not in keep.hydra.sweeper.params.policy.split(",")
+    assert control.policy._target_.endswith("FullCache") and select.policy._target_.endswith("FullCache")
+    chosen, pool, ctl = (list(c.task.problem_ids) for c in (main, select, control))
+    assert set(chosen) <= set(pool)  # chosen from the selection pool...
+    assert not set(ctl) & set(pool) and len(ctl) == len(chosen)  # ...the control from the other half, as many
+    assert keep.task.problem_ids == main.task.problem_ids
+
+
+@needs_shared
+def test_reasoning_pilot_problem_ids_exist_in_the_local_math500():
+    from tasks.math_tasks import MATH500
+
+    for name in ("pilot_reasoning", "pilot_reasoning_control", "pilot_reasoning_select"):
+        ids = list(_sweep(name).task.problem_ids)
+        problems = MATH500(data_dir=str(SHARED), problem_ids=ids).load()
+        assert sorted(p.id for p in problems) == sorted(ids)
+        assert {p.meta["level"] for p in problems} <= {1, 2}

@@ -535,3 +535,14 @@ def test_a_full_disk_mid_run_is_one_line_and_the_rerun_resumes(tmp_path, monkeyp
     assert again["complete"] and again["samples"] == 4
     rows = read_samples(Path(again["run_dir"]))
     assert rows[0] == written[0] and len({(r["problem_id"], r["sample"]) for r in rows}) == 4
+
+
+def test_unknown_problem_id_is_refused_before_anything(tmp_path, no_weights):
+    results = tmp_path / "results"
+    with pytest.raises(ValueError, match=r"^task\.problem_ids: no problem '42-999' in task gsm_symbolic") as err:
+        run(_compose([*TINY, "task.problem_ids=[42-1,42-999]", f"results_dir={results}"]), progress=False)
+    assert "\n" not in str(err.value)
+    assert not results.exists()
+    prep = prepare(_compose([*TINY, "task.problem_ids=[42-3,42-1]", f"results_dir={results}"]))
+    assert [p.id for p in prep.task.load()] == ["42-1", "42-3"]
+    assert "problem_ids" not in prep.protocol["task"]  # like limit: which problems, not how each is decoded

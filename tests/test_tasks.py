@@ -246,6 +246,45 @@ def test_limit_then_round_robin_shards() -> None:
     assert len(MATH500(data_dir=str(FIXTURES), limit=100).load()) == 4
 
 
+def test_problem_ids_keep_the_listed_problems_then_limit_and_shards() -> None:
+    all_ids = [p.id for p in MATH500(data_dir=str(FIXTURES)).load()]
+    picked = [all_ids[3], all_ids[1], all_ids[0]]  # listed out of order: the dataset's order is kept
+    task = MATH500(data_dir=str(FIXTURES), problem_ids=picked)
+    assert [p.id for p in task.load()] == [all_ids[0], all_ids[1], all_ids[3]]
+    assert task.resolved_sources()[0]["file"] == "math500.jsonl"
+    assert [p.id for p in MATH500(data_dir=str(FIXTURES), problem_ids=picked, limit=2).load()] == all_ids[:2]
+    shards = [
+        [p.id for p in MATH500(data_dir=str(FIXTURES), problem_ids=picked, shard=i, num_shards=2).load()]
+        for i in range(2)
+    ]
+    assert shards == [[all_ids[0], all_ids[3]], [all_ids[1]]]
+    # generated problems, the combined AIME and the streamed LiveCodeBench go through the same selection
+    assert [p.id for p in GSMSymbolic(size=5, seed=7, problem_ids=["7-4", "7-2"]).load()] == ["7-2", "7-4"]
+    assert [p.id for p in AIME(data_dir=str(FIXTURES), problem_ids=["2026-1"]).load()] == ["2026-1"]
+    lcb = LiveCodeBench(data_dir=str(FIXTURES))
+    first = lcb.load()[1].id
+    assert [p.id for p in LiveCodeBench(data_dir=str(FIXTURES), problem_ids=[first]).load()] == [first]
+
+
+def test_problem_ids_must_exist_and_be_a_list() -> None:
+    all_ids = [p.id for p in MATH500(data_dir=str(FIXTURES)).load()]
+    with pytest.raises(ValueError, match=r"^task.problem_ids: no problem 'nope' in task math500 \(its ids look like"):
+        MATH500(data_dir=str(FIXTURES), problem_ids=[all_ids[0], "nope"]).load()
+    with pytest.raises(ValueError, match="no problem 'nope'"):  # checked even past the limit
+        MATH500(data_dir=str(FIXTURES), problem_ids=[all_ids[0], "nope"], limit=1).load()
+    with pytest.raises(ValueError, match="no problem '7-9'"):
+        GSMSymbolic(size=5, seed=7, problem_ids=["7-9"]).load()
+    with pytest.raises(ValueError, match="listed more than once: 7-1"):
+        GSMSymbolic(size=5, problem_ids=["7-1", "7-1"])
+    with pytest.raises(ValueError, match="the list is empty"):
+        GSMSymbolic(size=5, problem_ids=[])
+    with pytest.raises(ValueError, match="must be a list of problem ids"):
+        GSMSymbolic(size=5, problem_ids="7-1")
+    assert GSMSymbolic(size=5, problem_ids=[1, "2"]).problem_ids == ["1", "2"]  # numbers are taken as text
+    for name in CONFIG_NAMES:
+        assert _config(name).problem_ids is None
+
+
 def test_gsm_symbolic_is_deterministic_from_seed_and_size() -> None:
     a = GSMSymbolic(size=5, seed=7).load()
     b = GSMSymbolic(size=5, seed=7).load()

@@ -49,14 +49,15 @@ POLICY_LABELS = {
     "vase_dkv": "VaSE-DKV",
     "vase_attnv": "VaSE-AttnV",
     "quest": "Quest",
+    "seer_attention_r": "SeerAttention-R",
     "streaming": "StreamingLLM",
     "random": "Random eviction",
+    "random_keep_prompt": "Random, prompt kept",
     "evict_large_value": "Evict large values",
     "snapkv_sample": "SnapKV + sampling",
     "snapkv_protect": "SnapKV + protection",
     "rkv_original": "R-KV (original)",
     "curdkv_original": "CurDKV (kvpress)",
-    "random_keep_prompt": "Random, prompt kept",
 }
 # Table order: the full cache first, then the paper's main-table order, then the ablations.
 POLICY_ORDER = (
@@ -67,19 +68,21 @@ POLICY_ORDER = (
     "vase_dkv",
     "vase_attnv",
     "quest",
+    "seer_attention_r",
     "streaming",
     "random",
+    "random_keep_prompt",
     "evict_large_value",
     "snapkv_sample",
     "snapkv_protect",
     "rkv_original",
     "curdkv_original",
-    "random_keep_prompt",
 )
 # The GSM8K pilot bar chart's order (method.md §5).
 PILOT_ORDER = (
     "full",
     "random",
+    "random_keep_prompt",
     "evict_large_value",
     "snapkv",
     "snapkv_sample",

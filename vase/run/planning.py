@@ -40,7 +40,7 @@ from vase.run.rundir import check_run_dir
 logger = logging.getLogger(__name__)
 
 # Settings that do not change results: excluded from the protocol comparison on resume.
-NON_PROTOCOL_TASK_KEYS = ("limit", "shard", "num_shards", "data_dir", "max_workers")
+NON_PROTOCOL_TASK_KEYS = ("problem_ids", "limit", "shard", "num_shards", "data_dir", "max_workers")
 NON_PROTOCOL_GENERATION_KEYS = ("sync_every", "attn_backend", "batching", "max_rows", "kv_memory", "grade_workers")
 
 
