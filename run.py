@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -444,17 +445,23 @@ def _resume_hint(argv: list[str]) -> str:
     return f"interrupted: every finished sample is saved; rerun the same command to resume: {command}"
 
 
+def _say(line: str) -> None:
+    """``line`` on stderr in one write: the ranks of a torchrun share the stream, and a line must not interleave."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (line + "\n").encode("utf-8", "replace"))
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
     try:
         error, code = check_command(argv)
         if error:
-            print(f"error: {error}", file=sys.stderr)
+            _say(f"error: {error}")
             sys.exit(code)
         main()
     except KeyboardInterrupt:
         from vase.run.sweep import is_leader
 
         if is_leader():
-            print(_resume_hint(argv), file=sys.stderr)
+            _say(_resume_hint(argv))
         sys.exit(130)
