@@ -16,6 +16,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 # ---- a finished run directory, shared by the tests that try to damage one (tests/test_reliability.py) -------------
+import json  # noqa: E402
 import shutil  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -71,3 +72,28 @@ def snapshot(directory: Path, skip: tuple[str, ...] = (".vase.lock",)) -> dict[s
         for p in sorted(Path(directory).rglob("*"))
         if p.is_file() and p.name not in skip
     }
+
+
+# Metrics that differ between two decode sessions of the same samples: wall-clock numbers, and the engine's sizing of
+# each session (a resumed run's last session, or one rank's share, has fewer rows and a smaller KV allocation).
+PER_SESSION = frozenset(
+    {
+        "decode_seconds",
+        "decode_tokens_per_second",
+        "eviction_seconds",
+        "prefill_seconds",
+        "peak_memory_bytes",
+        "wall_seconds",
+        "rows_in_flight",
+        "rows_in_flight_mean",
+        "kv_allocated_bytes",
+        "kv_allocated_bytes_per_row",
+        "run_dir",
+    }
+)
+
+
+def sample_metrics(run_dir) -> dict:
+    """``run_dir/metrics.json`` without the per-session numbers (:data:`PER_SESSION`): what the samples determine."""
+    metrics = json.loads((Path(run_dir) / "metrics.json").read_text())
+    return {k: v for k, v in metrics.items() if k not in PER_SESSION}

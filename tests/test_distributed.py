@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from tests.conftest import compose as _compose
+from tests.conftest import sample_metrics
 from vase.run.distributed import World, first_host, launch_from_env
 from vase.run.results import (
     append_jsonl,
@@ -64,27 +66,8 @@ SMALL = [
     "generation.grade_workers=0",
     "progress=false",
 ]
-# Wall-clock numbers, and the engine's sizing, which follows each rank's own share (rows, KV allocation).
-PER_SESSION = {
-    "decode_seconds",
-    "decode_tokens_per_second",
-    "eviction_seconds",
-    "prefill_seconds",
-    "peak_memory_bytes",
-    "wall_seconds",
-    "rows_in_flight",
-    "rows_in_flight_mean",
-    "kv_allocated_bytes",
-    "kv_allocated_bytes_per_row",
-    "run_dir",
-}
 needs_data = pytest.mark.skipif(not (SHARED / "math500.jsonl").is_file(), reason=f"no shared data at {SHARED}")
 needs_torchrun = pytest.mark.skipif(not TORCHRUN.exists(), reason="no torchrun next to the interpreter")
-
-
-def _compose(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
 
 
 def _torchrun(args: list[str], env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -102,7 +85,7 @@ def _key(r: dict) -> tuple:
 
 
 def _metrics(run_dir: Path) -> dict:
-    return {k: v for k, v in json.loads((run_dir / "metrics.json").read_text()).items() if k not in PER_SESSION}
+    return sample_metrics(run_dir)
 
 
 def _single_process_runs(root: Path, policies: list[str]) -> dict[str, Path]:

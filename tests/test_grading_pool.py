@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
+from tests.conftest import compose as _compose
+from tests.conftest import sample_metrics
 from vase.run import grading_pool
 from vase.run.grading_pool import Grader, auto_workers
 from vase.run.results import kill_point, read_jsonl_tolerant
@@ -38,25 +39,6 @@ TINY = [
     "generation.max_length=120",
     "progress=false",
 ]
-# Wall-clock numbers, and the engine's sizing of each decode session (a resumed run's last session has fewer rows).
-PER_SESSION = {
-    "decode_seconds",
-    "decode_tokens_per_second",
-    "eviction_seconds",
-    "prefill_seconds",
-    "peak_memory_bytes",
-    "wall_seconds",
-    "rows_in_flight",
-    "rows_in_flight_mean",
-    "kv_allocated_bytes",
-    "kv_allocated_bytes_per_row",
-    "run_dir",
-}
-
-
-def _compose(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
 
 
 def _samples(run_dir: Path) -> list[dict]:
@@ -66,7 +48,7 @@ def _samples(run_dir: Path) -> list[dict]:
 
 
 def _metrics(run_dir: Path) -> dict:
-    return {k: v for k, v in json.loads((run_dir / "metrics.json").read_text()).items() if k not in PER_SESSION}
+    return sample_metrics(run_dir)
 
 
 def _run(results: Path, workers: int) -> Path:

@@ -66,6 +66,27 @@ def plan_run(kind: str, spec: dict) -> tuple[int, int]:
     return p + n - s, s
 
 
+class CpuStepClock:
+    """Process CPU time per decode step, from after forward 1 to after forward ``n - 1`` (an ``on_step`` hook; CPU
+    only: on CUDA the process clock does not see the device's work)."""
+
+    def __init__(self):
+        self.first: float | None = None
+        self.last: float | None = None
+        self.step = 0
+
+    def on_step(self, info) -> None:
+        t = time.process_time()
+        if info.step == 1:
+            self.first = t
+        self.last, self.step = t, info.step
+
+    def seconds_per_step(self) -> float | None:
+        if self.step <= 1 or self.first is None:
+            return None
+        return (self.last - self.first) / (self.step - 1)
+
+
 class Job:
     """One config ready to run: its policy, prompt, planned lengths and the static KV size computed from the config."""
 
@@ -97,13 +118,8 @@ class Job:
             return self.once_staggered(n_new or self.run_n)
 
         s = self.spec
-        marks: dict = {}
-
-        def on_step(info) -> None:  # CPU only: process CPU time after decode forwards 1 and n - 1
-            t = time.process_time()
-            if info.step == 1:
-                marks["t1"] = t
-            marks["t"], marks["step"] = t, info.step
+        clock = CpuStepClock()
+        on_step = clock.on_step
 
         out = generate(
             self.model,
@@ -117,8 +133,8 @@ class Job:
             seed=s.get("seed", 0),
             on_step=on_step if self.device.type == "cpu" else None,
         )
-        if marks.get("step", 0) > 1:
-            out.stats["cpu_step_seconds"] = (marks["t"] - marks["t1"]) / (marks["step"] - 1)
+        if clock.seconds_per_step() is not None:
+            out.stats["cpu_step_seconds"] = clock.seconds_per_step()
         return out
 
     def once_staggered(self, n_new: int) -> GenerationOutput:
@@ -126,13 +142,8 @@ class Job:
         from vase.engine import Decoder, GenerationOutput, SamplingConfig, cache_capacity
 
         s = self.spec
-        marks: dict = {}
-
-        def on_step(info) -> None:  # CPU only: process CPU time after decode forwards 1 and n - 1
-            t = time.process_time()
-            if info.step == 1:
-                marks["t1"] = t
-            marks["t"], marks["step"] = t, info.step
+        clock = CpuStepClock()
+        on_step = clock.on_step
 
         dec = Decoder(
             self.model,
@@ -162,8 +173,8 @@ class Job:
             "attn_backend": dec.backend,
             "prompt_lens": self.lengths,
         }
-        if marks.get("step", 0) > 1:
-            stats["cpu_step_seconds"] = (marks["t"] - marks["t1"]) / (marks["step"] - 1)
+        if clock.seconds_per_step() is not None:
+            stats["cpu_step_seconds"] = clock.seconds_per_step()
         return GenerationOutput(
             tokens=[f.tokens for f in done],
             finish_reasons=[f.finish_reason for f in done],

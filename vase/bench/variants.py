@@ -203,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         plan(args.variant, args.revs, args.threads)
     except ValueError as err:
         ap.error(str(err))
-    args.out = args.out or str(REPO / "results" / "bench" / f"variants_{time.strftime('%Y%m%d_%H%M%S')}")
+    args.out = (
+        str(Path(args.out).resolve())
+        if args.out
+        else str(REPO / "results" / "bench" / f"variants_{time.strftime('%Y%m%d_%H%M%S')}")
+    )
     result = compare(args)
     return 0 if result["runs"] and not any(r.get("error") for r in result["runs"]) else 1

@@ -458,7 +458,11 @@ def main(argv: list[str] | None = None) -> int:
         setup_venv(Path(args.venv), args.torch_index)
         return 0
     args.run_args = shlex.split(args.run_args)
-    args.out = args.out or str(REPO / "results" / "bench" / f"vllm_{time.strftime('%Y%m%d_%H%M%S')}")
+    args.out = (
+        str(Path(args.out).resolve())
+        if args.out
+        else str(REPO / "results" / "bench" / f"vllm_{time.strftime('%Y%m%d_%H%M%S')}")
+    )
     result = compare(args)
     bad = [c for c in result["same_work"] if c["differences"]]
     return 0 if result["runs"] and not any(r.get("error") for r in result["runs"]) and not bad else 1

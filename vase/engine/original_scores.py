@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vase.engine.scores import _default_chunk
+from vase.engine.scores import _default_chunk, per_kv_head
 
 LEVERAGE_TYPES = ("key", "value", "kv_avg", "kv_product")
 #: columns of R-KV's similarity matrix built at once per (row, head) (fixed: see :func:`rkv_original_redundancy`)
@@ -51,13 +51,9 @@ def rkv_original_attention(
     Returns:
         ``(B, H, N)`` in ``dtype``.
     """
-    b, hq, wq, d = queries.shape
-    h, n = keys.shape[1], keys.shape[2]
-    if hq % h:
-        raise ValueError(f"queries: {hq} query heads is not a multiple of {h} KV heads")
-    g = hq // h
-    q = queries.to(dtype).reshape(b * h, g, wq, d)
-    k = keys.to(dtype).reshape(b * h, 1, n, d)
+    q, k = per_kv_head(queries, keys, dtype)
+    b, h, n = keys.shape[:3]
+    g, wq = q.shape[1], q.shape[2]
     score = torch.empty((b * h, n), dtype=dtype, device=keys.device)
     step = max(1, (max_chunk_elements or _default_chunk(keys.device)) // max(g * wq * n, 1))
     for s in range(0, b * h, step):

@@ -117,13 +117,9 @@ def _windowed_attention_rounded(
     over the window queries; the average pool, per query head (before the group mean, as their code does); the mean
     over the query heads of the group. Shapes as :func:`windowed_attention_score`; returns ``(B, H, N)`` in ``dtype``.
     """
-    b, hq, wq, d = queries.shape
-    h, n = keys.shape[1], keys.shape[2]
-    if hq % h:
-        raise ValueError(f"queries: {hq} query heads is not a multiple of {h} KV heads")
-    g = hq // h
-    q = queries.to(dtype).reshape(b * h, g, wq, d)
-    k = keys.to(dtype).reshape(b * h, 1, n, d)
+    q, k = per_kv_head(queries, keys, dtype)
+    b, h, n = keys.shape[:3]
+    g, wq = q.shape[1], q.shape[2]
     divisor = temperature / scaling  # sqrt(D) * T
     per_head = torch.empty((b * h, g, n), dtype=dtype, device=keys.device)
     step = max(1, (max_chunk_elements or _default_chunk(keys.device)) // max(g * wq * n, 1))
@@ -141,6 +137,17 @@ def _windowed_attention_rounded(
 def _default_chunk(device: torch.device) -> int:
     """Float32 elements of windowed-attention logits built at once: ~2 MB (stays in a CPU core's L2) or 256 MB."""
     return 2**19 if device.type == "cpu" else 2**26
+
+
+def per_kv_head(queries: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``queries (B, Hq, W, D)``, ``keys (B, H, N, D)`` in ``dtype``, grouped per (row, KV head): ``q (B*H, G, W, D)``
+    (the group's ``G = Hq / H`` query heads) and ``k (B*H, 1, N, D)``. Hq must be a multiple of H."""
+    b, hq, wq, d = queries.shape
+    h, n = keys.shape[1], keys.shape[2]
+    if hq % h:
+        raise ValueError(f"queries: {hq} query heads is not a multiple of {h} KV heads")
+    q = queries.to(dtype).reshape(b * h, hq // h, wq, d)
+    return q, keys.to(dtype).reshape(b * h, 1, n, d)
 
 
 def _smooth(score: torch.Tensor, kernel: int, positions: torch.Tensor | None) -> torch.Tensor:
