@@ -159,9 +159,21 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_M
 FIXTURES = ROOT / "tests" / "fixtures" / "tasks"
 
 
-def _run_py(*args: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+# ``python run.py`` with Python's Ctrl-C handler installed whatever the disposition of SIGINT it inherits: a job
+# started in the background by a non-interactive shell (``make test &``, a CI runner) inherits SIGINT ignored (POSIX),
+# and Python then leaves it ignored, so a test's simulated Ctrl-C would do nothing there.
+CTRL_C = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def _run_py(
+    *args: str, env: dict | None = None, prefix: tuple[str, ...] = (), ctrl_c: bool = False
+) -> subprocess.CompletedProcess:
+    python = [sys.executable, "-c", CTRL_C] if ctrl_c else [sys.executable]
     return subprocess.run(
-        [*prefix, sys.executable, "run.py", *args],
+        [*prefix, *python, "run.py", *args],
         cwd=ROOT,
         env=env or ENV,
         capture_output=True,
@@ -494,7 +506,7 @@ def test_ctrl_c_exits_130_with_the_resume_command_and_keeps_every_finished_sampl
     # graded inline: exactly the 1st sample is written when Ctrl-C comes (in the background, the grades already
     # running at that moment are written too, so the count would depend on the machine's speed)
     args = [*TINY, "limit=2", "generation.grade_workers=0", f"results_dir={results}"]
-    r = _run_py(*args, env={**ENV, "VASE_TEST_KILL_AT": "written:1:INT"})  # Ctrl-C right after the 1st sample
+    r = _run_py(*args, env={**ENV, "VASE_TEST_KILL_AT": "written:1:INT"}, ctrl_c=True)  # Ctrl-C after the 1st sample
     assert r.returncode == 130, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
