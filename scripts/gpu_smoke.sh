@@ -13,10 +13,11 @@
 # Usage:
 #   scripts/gpu_smoke.sh              # on the GPU machine; results in results/bench/gpu_smoke_<time>/
 #   scripts/gpu_smoke.sh --dry-run    # on a CPU, tiny shapes: every code path the GPU run takes but the kernels
-# PY=/path/to/python picks the interpreter (default: python).
+# Python: PY=/path/to/python, else the active virtual environment or conda env, else .venv/ (as the Makefile:
+# scripts/project_python.sh), so it runs right after `make run` without activating anything.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-python}
+source scripts/project_python.sh   # PY: PY=, the active venv / conda env, else .venv (as the Makefile)
 
 if [[ "${1:-}" == "--dry-run" ]]; then
   shift

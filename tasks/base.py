@@ -88,7 +88,8 @@ class Task:
     Attributes:
         name: the task's name (as in ``conf/task/<name>.yaml``).
         data_dir: directory of local JSONL files in the ``../shared/data`` schema; ``None`` loads from the hub.
-        problem_ids: keep only these problems (applied before ``limit`` and sharding; the dataset's order is kept);
+        problem_ids: keep only these problems (applied before ``limit`` and sharding; the dataset's order is kept; the
+            runner never applies a task preset's default ``limit`` to them: :func:`vase.run.planning.problem_limit`);
             every id must exist in the task (ids as in ``samples.jsonl``, e.g. ``"HumanEval/12"``). ``None`` keeps
             them all.
         limit: keep only the first ``limit`` problems (applied before sharding).

@@ -171,3 +171,48 @@ def test_gpu_smoke_dry_run_runs_every_section(tmp_path):
     table = (tmp_path / "table.txt").read_text()
     assert proc.stdout.startswith(table.splitlines()[0]) and "PASS in" in proc.stdout
     assert Path(tmp_path / "table.txt").exists()
+
+
+def _fake_python(path: Path, name: str) -> Path:
+    """An executable at ``path/bin/python`` that prints its name and arguments (stands in for an environment)."""
+    exe = path / "bin" / "python"
+    exe.parent.mkdir(parents=True)
+    exe.write_text(f'#!/usr/bin/env bash\necho "{name}:$*"\n')
+    exe.chmod(0o755)
+    return exe
+
+
+@pytest.mark.parametrize("script", ["scripts/gpu_smoke.sh", "scripts/gpu_bench_14b.sh"])
+def test_gpu_scripts_pick_the_projects_python_as_the_makefile(tmp_path, script):
+    """PY= first, then the active virtual environment, a conda env other than base, else $VENV (.venv) -- the
+    Makefile's order -- and a missing interpreter is one line with the fix, not `No module named 'torch'`."""
+    venv, conda, dot = (_fake_python(tmp_path / n, n) for n in ("venv", "conda", "dotvenv"))
+    bare = {k: v for k, v in os.environ.items() if k not in ("PY", "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV")}
+
+    def which(**env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", script, "--dry-run"], cwd=REPO, env={**bare, **env}, capture_output=True, text=True, timeout=60
+        )
+
+    cases = [
+        ({"VENV": str(tmp_path / "dotvenv")}, "dotvenv"),  # nothing active: the Makefile's .venv ($VENV)
+        ({"VENV": str(tmp_path / "dotvenv"), "VIRTUAL_ENV": str(tmp_path / "venv")}, "venv"),
+        (
+            {"VENV": str(tmp_path / "dotvenv"), "CONDA_PREFIX": str(tmp_path / "conda"), "CONDA_DEFAULT_ENV": "x"},
+            "conda",
+        ),
+        (
+            {"VENV": str(tmp_path / "dotvenv"), "CONDA_PREFIX": str(tmp_path / "conda"), "CONDA_DEFAULT_ENV": "base"},
+            "dotvenv",
+        ),
+        ({"VIRTUAL_ENV": str(tmp_path / "venv"), "PY": str(dot)}, "dotvenv"),  # PY= wins
+    ]
+    for env, expected in cases:
+        r = which(**env)
+        assert r.returncode == 0 and r.stdout.strip().startswith(f"{expected}:"), (env, r.stdout, r.stderr)
+        assert "dry" in r.stdout  # the dry run was asked for
+    assert venv.exists() and conda.exists()
+    r = which(VENV=str(tmp_path / "nowhere"))
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and f"no Python at {tmp_path / 'nowhere'}/bin/python" in r.stderr
+    assert "make setup" in r.stderr and "PY=" in r.stderr

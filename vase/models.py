@@ -335,6 +335,9 @@ class ModelSpec:
         temperature, top_p, top_k: the model's recommended sampling (used by ``generation`` unless overridden).
         thinking: whether the chat template is rendered with thinking on (Qwen3 ``enable_thinking``).
         tiny: extra config fields for ``tiny:<arch>`` models.
+        reference_tokens: the model's mean full-cache output tokens on the task, for ``ratio=`` (budget = this /
+            ratio); ``None`` takes the task's ``reference_output_tokens`` entry for :attr:`key` (or its ``default``).
+            Set it for a model the task's table does not list (a local directory under a new ``key``).
     """
 
     key: str
@@ -347,8 +350,14 @@ class ModelSpec:
     top_k: int = 20
     thinking: bool = True
     tiny: dict | None = None
+    reference_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        if self.reference_tokens is not None and (isinstance(self.reference_tokens, bool) or self.reference_tokens < 1):
+            raise ValueError(
+                f"model.reference_tokens: must be a positive number of tokens or null, got {self.reference_tokens!r}; "
+                "e.g. model.reference_tokens=4096 (the model's mean full-cache output length on the task)"
+            )
         if self.dtype != "auto":
             resolve_dtype(self.dtype)
         if self.device not in ("auto", "cpu") and not str(self.device).startswith("cuda"):

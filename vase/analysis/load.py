@@ -247,7 +247,9 @@ def _ratio_derived(config: dict, metrics: dict | None = None) -> bool:
         return source == "ratio"
     refs = _get(config, "task.reference_output_tokens") or {}
     key = _get(config, "model.key")
-    ref = refs.get(key, refs.get("default")) if isinstance(refs, dict) else None
+    ref = _get(config, "model.reference_tokens")
+    if not ref:
+        ref = refs.get(key, refs.get("default")) if isinstance(refs, dict) else None
     budget, ratio, window = config.get("budget"), config.get("ratio"), config.get("window")
     if not ref or not budget or not ratio or not window:
         return False

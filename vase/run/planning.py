@@ -66,6 +66,58 @@ def resolve_budget(reference_tokens: int, ratio: float, window: int) -> int:
     return max(2, round(reference_tokens / ratio / window)) * window
 
 
+_logged_fallbacks: set[tuple[str, str, int]] = set()
+
+
+def reference_length(task: Any, model_spec: Any) -> tuple[int, str]:
+    """``(reference full-cache output tokens, where it came from)`` for ``ratio=``: ``model.reference_tokens`` when
+    set, else the task's ``reference_output_tokens`` entry for the model's key, else the task's ``default`` entry.
+
+    The fallback to ``default`` (a model the task's table does not list, e.g. a local directory under a new
+    ``model.key``) is said in one log line naming the length, why, and how to set it (once per task, key and length).
+    """
+    key = model_spec.key
+    if model_spec.reference_tokens is not None:
+        return int(model_spec.reference_tokens), "model.reference_tokens"
+    table = task.reference_output_tokens
+    if key in table:
+        return table[key], f"task.reference_output_tokens.{key}"
+    tokens = task.reference_tokens(key)  # the default entry (a one-line error without one)
+    if (task.name, key, tokens) not in _logged_fallbacks:
+        _logged_fallbacks.add((task.name, key, tokens))
+        listed = ", ".join(k for k in table if k != "default") or "none"
+        logger.warning(
+            "budget: ratio= uses the default reference output length of task %s, %d tokens, because model.key %r has "
+            "no entry in task.reference_output_tokens (listed: %s); set model.reference_tokens=<mean full-cache output "
+            "tokens of this model> or budget= to choose it",
+            task.name,
+            tokens,
+            key,
+            listed,
+        )
+    return tokens, "task.reference_output_tokens.default"
+
+
+def problem_limit(task_cfg: dict, limit: int | None) -> int | None:
+    """The ``limit`` the task is built with: the top-level ``limit=`` when given, else the task's own ``task.limit``
+    (a preset's default, e.g. HumanEval's 16) -- except with an explicit ``task.problem_ids``, which a task's limit
+    never cuts: every listed problem is decoded (one log line says that the task's limit was set aside). A
+    top-level ``limit=N`` with ``problem_ids`` keeps the first N listed problems (in the dataset's order)."""
+    ids, own = task_cfg.get("problem_ids"), task_cfg.get("limit")
+    if limit is not None:
+        return limit
+    if ids is not None and own is not None:
+        if isinstance(ids, (list, tuple)) and len(ids) > own:  # otherwise the limit cuts nothing: no line
+            logger.info(
+                "task.problem_ids lists %d problems: task.limit=%d (the task's default) is not applied to them; "
+                "limit=<n> keeps the first n of the listed problems",
+                len(ids),
+                own,
+            )
+        return None
+    return own
+
+
 def problem_seed(seed: int, problem_id: str) -> int:
     """A problem's seed: stable across runs, shards and resumes (independent of the problem's position)."""
     return int(hashlib.sha256(f"{seed}:{problem_id}".encode()).hexdigest()[:12], 16)
@@ -91,21 +143,24 @@ class Prepared:
     kv_memory: int | None
     grader: str = "strict"
     score_dtype: Any = None
+    reference: dict | None = None  # ratio=: {"tokens", "source", "ratio"}; None for an explicit budget=
 
 
 def prepare(cfg: DictConfig) -> Prepared:
     """Validate, resolve the budget and build task / model spec / policy (no data or weights loaded)."""
     check_settings(cfg)  # every setting, before anything is built, written or loaded (vase/run/checks.py)
     task_cfg = OmegaConf.to_container(cfg.task, resolve=True)
-    if cfg.limit is not None:
-        task_cfg["limit"] = cfg.limit
+    task_cfg["limit"] = problem_limit(task_cfg, cfg.limit)
     if cfg.n_samples is not None:
         task_cfg["n_samples"] = cfg.n_samples
     task = build(task_cfg, "task")
     model_spec = build(cfg.model, "model")
     explicit_budget = cfg.budget is not None
+    reference = None
     if not explicit_budget:
-        budget = resolve_budget(task.reference_tokens(model_spec.key), cfg.ratio, cfg.window)
+        tokens, source = reference_length(task, model_spec)
+        reference = {"tokens": tokens, "source": source, "ratio": cfg.ratio}
+        budget = resolve_budget(tokens, cfg.ratio, cfg.window)
         OmegaConf.update(cfg, "budget", budget, force_add=True)
         check_protocol_n_protect(cfg)  # the protocol's value slots against the budget now known
     policy = build(cfg.policy, "policy")
@@ -123,7 +178,8 @@ def prepare(cfg: DictConfig) -> Prepared:
     if budget_free:
         policy_desc = {k: v for k, v in policy_desc.items() if k not in ("budget", "window")}
     protocol = {
-        "model": {k: v for k, v in asdict(model_spec).items() if k != "device"},
+        # reference_tokens only sets the budget (recorded below), like ratio: not a protocol key of its own
+        "model": {k: v for k, v in asdict(model_spec).items() if k not in ("device", "reference_tokens")},
         "task": {k: v for k, v in task_cfg.items() if k not in NON_PROTOCOL_TASK_KEYS},
         "policy": policy_desc,
         "generation": {
@@ -165,6 +221,7 @@ def prepare(cfg: DictConfig) -> Prepared:
         kv_memory,
         grader,
         score_dtype(own["score_dtype"]),
+        reference,
     )
     protocol["protocol"] = protocol_knobs(prep, grader)  # every knob of docs/protocol.md, as this run uses it
     return prep

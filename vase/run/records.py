@@ -355,6 +355,8 @@ def manifest(prep, model, tokenizer, spec, dtype_reason: str, dec, plan, stop) -
         "seed": cfg.seed,
         "eos_token_ids": stop,
         "budget": cfg.budget if prep.policy.kind != "none" else None,
+        # ratio=: {"tokens", "source", "ratio"} (the reference length and the setting it came from); null: budget=
+        "budget_reference": prep.reference,
         "window": cfg.window,
         "policy": prep.policy.describe(),
     }

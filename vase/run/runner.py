@@ -160,6 +160,9 @@ def _finish(p: RunPlan, sessions: list[dict | None], run_logger) -> dict:
         write_json(run_dir / "manifest.json", {**decoded[0], "ranks": [e for s in decoded for e in s["ranks"]]})
     info = {
         "budget_source": "explicit" if prep.explicit_budget else "ratio",
+        # ratio=: the reference full-cache output length the budget came from, and which setting gave it
+        "reference_tokens": (prep.reference or {}).get("tokens"),
+        "reference_source": (prep.reference or {}).get("source"),
         "policy": prep.policy.name,
         "policy_kind": prep.policy.kind,
         "task": prep.task.name,
