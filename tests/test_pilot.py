@@ -272,3 +272,32 @@ def test_reasoning_pilot_problem_ids_exist_in_the_local_math500():
         problems = MATH500(data_dir=str(SHARED), problem_ids=ids).load()
         assert sorted(p.id for p in problems) == sorted(ids)
         assert {p.meta["level"] for p in problems} <= {1, 2}
+
+
+def test_the_gsm8k_pilots_vase_attnv_rows_and_the_random_row_say_what_their_numbers_are(tmp_path: Path):
+    """85.2 is the authors' variant without sinks (the row runs sinks=0), the 4-sink mode of bfa2692 is shown beside
+    it with its development-table number, and 53.2 says that it cannot be matched to the authors' code."""
+    from vase.analysis.paper import GSM8K_PILOT
+
+    no_sink, sinks = GSM8K_PILOT.row("vase_attnv"), GSM8K_PILOT.row("vase_attnv_sinks")
+    assert (no_sink.settings["sinks"], no_sink.accuracy, no_sink.published) == (0, 85.2, True)
+    assert (sinks.settings["sinks"], sinks.accuracy, sinks.published) == (4, 84.45, False)
+    assert "small_range_sample_attn" in no_sink.authors and "range_sink_sample_attn" in sinks.authors
+    assert "cannot be matched to the authors' code" in GSM8K_PILOT.row("random").note
+    root = tmp_path / "results"
+    last = {"p0": [1, 1], "p1": [1, 0]}
+    base = {"n_protect": 256, "sample": True, "value_stat": "range", "smooth_kernel": 5, "smooth_along": "storage"}
+    for name, n_sinks in (("attnv0", 0), ("attnv4", 4)):
+        make_run(root, name, "gsm8k", "vase_attnv", 512, last, params={**base, "sinks": n_sinks}, protocol="paper")
+    make_run(root, "random", "gsm8k", "random", 512, last, params={"sinks": 0}, protocol="paper")
+    t = pilot_table(root)
+    assert dict(zip(t["paper_row"], t["paper_gsm8k"])) == {
+        "vase_attnv": 85.2,
+        "vase_attnv_sinks": 84.45,
+        "random": 53.2,
+    }
+    text = pilot_markdown(t)
+    assert "| 85.2 * |" in text and "| 84.45 ‡ * |" in text and "| 53.2 * |" in text
+    notes = [line for line in text.splitlines() if line.startswith("\\*")]
+    assert len(notes) == 3 and any("53.20: 53.2 cannot be matched to the authors' code" in n for n in notes)
+    assert "‡ not in the paper" in text and "8e1453a" in text

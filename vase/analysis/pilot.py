@@ -134,6 +134,8 @@ def pilot_table(root: str | Path) -> pd.DataFrame:
                     "wall_seconds": r["wall_seconds"],
                     "paper_row": paper.row if paper else None,
                     "paper_gsm8k": paper.accuracy if paper else float("nan"),
+                    "paper_published": paper.published if paper else None,
+                    "paper_note": paper.note if paper else "",
                     "_order": (
                         PILOT_ORDER.index(base) if base in PILOT_ORDER else len(PILOT_ORDER),
                         GSM8K_PILOT.rows.index(paper) if paper else len(GSM8K_PILOT.rows),
@@ -339,10 +341,35 @@ def _policy_tables(table: pd.DataFrame) -> list[str]:
                 + "".join(f"{_f(r[c])} | " for c in rules)
                 + f"{_f(r['loop_rate'])} | {_f(r['garbage_rate'])} | {_f(r['truncated_rate'])} | "
                 f"{_f(r['mean_output_tokens'], 0)} | {_f(r['compression_ratio'], 2)} | "
-                f"{_f(r['decode_tokens_per_second'])} | {_f(r['paper_gsm8k'])} |"
+                f"{_f(r['decode_tokens_per_second'])} | {_paper_cell(r)} |"
             )
         lines.append("")
+        lines += _paper_notes(t)
     return lines
+
+
+def _paper_cell(r: pd.Series) -> str:
+    """The paper GSM8K cell: the number (two decimals for one from the authors' development tables, marked ‡), and
+    ``*`` when a note under the table qualifies it."""
+    value = r.get("paper_gsm8k", float("nan"))
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    dev = r.get("paper_published") is False
+    return _f(value, 2 if dev else 1) + (" ‡" if dev else "") + (" *" if r.get("paper_note") else "")
+
+
+def _paper_notes(t: pd.DataFrame) -> list[str]:
+    """The notes of the paper rows shown in ``t``, one line each (once per row)."""
+    if "paper_note" not in t:
+        return []
+    seen, lines = set(), []
+    for _, r in t.iterrows():
+        if r.get("paper_note") and r["paper_row"] not in seen:
+            seen.add(r["paper_row"])
+            lines.append(rf"\* {r['method']}, paper GSM8K {_f(r['paper_gsm8k'], 2)}: {r['paper_note']}.")
+    if any(v is False for v in t.get("paper_published", [])):  # None: no paper row
+        lines.append("‡ not in the paper: the authors' development tables (terarachang/VaSE at 17df0fa).")
+    return [*lines, ""] if lines else []
 
 
 def _footer(table: pd.DataFrame, wall_seconds: float | None, command: str) -> list[str]:
@@ -353,6 +380,8 @@ def _footer(table: pd.DataFrame, wall_seconds: float | None, command: str) -> li
     if command:
         lines.append(f"Produced by `{command}`. † = incomplete run.")
     lines.append(f"Paper GSM8K: {GSM8K_PILOT.model}, B = {GSM8K_PILOT.budget}, {GSM8K_PILOT.source}.")
+    if GSM8K_PILOT.note:
+        lines.append(GSM8K_PILOT.note)
     return lines
 
 
