@@ -46,7 +46,7 @@ from typing import Any, ClassVar
 
 from tasks.base import Grade, Problem, Task
 from tasks.data import LOCAL_DATA_HINT, hub_file, iter_jsonl, numbered_jsonl, warn_unpinned
-from tasks.grading import extract_code
+from tasks.grading import CODE_EXTRACTIONS, extract_code, extract_code_authors
 from tasks.sandbox import (
     SandboxLimits,
     check_limits,
@@ -169,11 +169,15 @@ class CodeTask(Task):
         timeout_s: wall-clock (and CPU-time) limit per test run.
         memory_mb: address-space limit per run.
         max_workers: parallel sandboxes in ``grade_many`` (default: the cores, at most the items).
+        code_extraction: ``harness`` (the last Python block after ``</think>``: :func:`tasks.grading.extract_code`)
+            or ``authors`` (between the last two fence lines anywhere: :func:`tasks.grading.extract_code_authors`;
+            LiveCodeBench under ``protocol=paper``).
     """
 
     timeout_s: float = 6.0
     memory_mb: int = 2048
     max_workers: int | None = None
+    code_extraction: str = "harness"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -193,6 +197,11 @@ class CodeTask(Task):
         w = self.max_workers
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise ValueError(f"task.max_workers: must be an integer >= 1 or null, got {w!r}; e.g. task.max_workers=4")
+        if self.code_extraction not in CODE_EXTRACTIONS:
+            raise ValueError(
+                f"task.code_extraction: must be one of {', '.join(CODE_EXTRACTIONS)}, got {self.code_extraction!r}; "
+                "e.g. protocol.code_extraction=authors"
+            )
         self.limits()  # every limit the sandbox will get, checked now (SandboxLimits refuses what the OS cannot take)
 
     def check_environment(self) -> None:
@@ -207,16 +216,21 @@ class CodeTask(Task):
         return SandboxLimits(timeout_s=t, cpu_s=t, memory_mb=self.memory_mb)
 
     def grade(self, problem: Problem, output: str, thinking: bool | None = None) -> Grade:
-        """Extract the last Python code block after ``</think>`` and run the problem's tests on it."""
-        code, truncated = extract_code(output, self.thinking if thinking is None else thinking)
-        if truncated:
+        """Extract the code (:attr:`code_extraction`: by default the last Python code block after ``</think>``) and
+        run the problem's tests on it."""
+        think = self.thinking if thinking is None else thinking
+        if self.code_extraction == "authors":
+            code, truncated = extract_code_authors(output, think)
+        else:
+            code, truncated = extract_code(output, think)
+        if truncated and self.code_extraction == "harness":
             return Grade(None, False, True, "truncated")
         if code is None:
-            return Grade(None, False, False, "no_code")
+            return Grade(None, False, truncated, "no_code")
         if problem.answer is None:
-            return Grade(code, False, False, "no_tests")
+            return Grade(code, False, truncated, "no_tests")
         ok, detail = self.run_tests(problem, code)
-        return Grade(code, ok, False, "" if ok else detail)
+        return Grade(code, ok, truncated, "" if ok else detail)
 
     def grade_many(self, items: list[tuple[Problem, str]], thinking: bool | None = None) -> list[Grade]:
         """:meth:`grade` on a thread pool; each worker drives one sandboxed child at a time."""

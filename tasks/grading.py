@@ -37,6 +37,7 @@ The ``strict`` rules (see ``tests/test_grading.py`` for the golden table):
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 from collections.abc import Sequence
@@ -289,6 +290,49 @@ def math_equal(gold: str, pred: str | None) -> bool:
         return False
 
 
+#: ``equivalence`` of a math task: ``math_verify`` (the harness) or ``authors`` (math-verify, plus the authors' numeric
+#: rule :func:`authors_number_equal`; ``protocol=paper``)
+EQUIVALENCES = ("math_verify", "authors")
+
+
+def authors_number(text: str) -> float | None:
+    """A number as the authors' grader reads it (terarachang/VaSE ``Utils/grader.py`` ``parse_digits``, L47-60):
+    commas dropped, then ``float``; failing that, a trailing ``%`` (or ``\\%``) divides by 100. ``None`` otherwise."""
+    num = str(text).replace(",", "")
+    try:
+        return float(num)
+    except ValueError:
+        if num.endswith("%"):
+            num = num[:-1].removesuffix("\\")
+            try:
+                return float(num) / 100
+            except ValueError:
+                pass
+    return None
+
+
+def authors_number_equal(gold: str, pred: str | None) -> bool:
+    """The numeric branch of the authors' ``math_equal`` (``Utils/grader.py`` L143-160, called by ``check_is_correct``
+    with ``include_percentage=True``, ``is_close=True``): both sides numbers (:func:`authors_number`) and the prediction
+    within an absolute 1e-4 (``numeric_equal``, L345-354) of gold / 100, gold or gold x 100. So 0.5 is right for a
+    gold of 50, and 5000 too."""
+    if pred is None:
+        return False
+    g, p = authors_number(gold), authors_number(pred)
+    if g is None or p is None:
+        return False
+    return any(math.isclose(p, ref, rel_tol=0.0, abs_tol=1e-4) for ref in (g / 100, g, g * 100))
+
+
+def answer_equal(gold: str, pred: str | None, equivalence: str, verdict: bool | None = None) -> bool:
+    """Whether ``pred`` answers ``gold`` under ``equivalence`` (:data:`EQUIVALENCES`); ``verdict`` is :func:`math_equal`
+    of the pair when already known."""
+    ok = math_equal(gold, pred) if verdict is None else verdict
+    if equivalence == "authors":
+        return ok or authors_number_equal(normalize_math(str(gold)), None if pred is None else normalize_math(pred))
+    return ok
+
+
 def _math_equal_pairs(pairs: Sequence[tuple[str, str | None]]) -> list[bool]:
     return [math_equal(g, p) for g, p in pairs]
 
@@ -410,6 +454,24 @@ def extract_choice_last_boxed(output: str, thinking: bool, letters: str = "ABCD"
 
 _FENCE_RE = re.compile(r"^[ \t]*```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)^[ \t]*```[ \t]*$", re.S | re.M)
 _PY_TAGS = {"", "python", "py", "python3", "py3"}
+
+
+#: ``code_extraction`` of a code task: ``harness`` (:func:`extract_code`) or ``authors`` (:func:`extract_code_authors`)
+CODE_EXTRACTIONS = ("harness", "authors")
+
+
+def extract_code_authors(output: str, thinking: bool) -> tuple[str | None, bool]:
+    """``(code, truncated)`` as the authors' LiveCodeBench grader reads it (terarachang/VaSE ``Utils/livecodebench.py``
+    ``_extract_code``, L20-25): the lines between the last two lines that contain a code fence, anywhere in the output
+    (the thinking included, any language, a fence inside a line too); fewer than two such lines: no code (``None``;
+    theirs runs the empty program, which fails the tests alike). ``truncated`` only reports an unclosed thinking: the
+    code is read regardless."""
+    _, truncated = split_thinking(output, thinking)
+    lines = output.split("\n")
+    fences = [i for i, line in enumerate(lines) if "```" in line]
+    if len(fences) < 2:
+        return None, truncated
+    return "\n".join(lines[fences[-2] + 1 : fences[-1]]), truncated
 
 
 def extract_code(output: str, thinking: bool) -> tuple[str | None, bool]:

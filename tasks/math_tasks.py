@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from tasks.base import Grade, Problem, Task
-from tasks.grading import GRADER_RULES, extract_answer, math_equal_many
+from tasks.grading import EQUIVALENCES, GRADER_RULES, answer_equal, extract_answer, math_equal_many
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +42,25 @@ HMMT_NOV_2025_REVISION = "main"
 
 @dataclass
 class MathTask(Task):
-    """A task whose gold is a math expression and whose output ends with ``\\boxed{answer}``."""
+    """A task whose gold is a math expression and whose output ends with ``\\boxed{answer}``.
 
+    Attributes:
+        equivalence: ``math_verify`` (the harness) or ``authors`` (math-verify, plus the authors' numeric rule:
+            gold x 100 and gold / 100 accepted, :func:`tasks.grading.authors_number_equal`; ``protocol=paper``),
+            for both grader rules.
+    """
+
+    equivalence: str = "math_verify"
     prompt_suffix: ClassVar[str] = MATH_SUFFIX
     grader_rules: ClassVar[tuple[str, ...]] = GRADER_RULES
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.equivalence not in EQUIVALENCES:
+            raise ValueError(
+                f"task.equivalence: must be one of {', '.join(EQUIVALENCES)}, got {self.equivalence!r}; e.g. "
+                "protocol.equivalence=authors (the authors' gold x 100 / gold / 100 rule)"
+            )
 
     def make_prompt(self, problem_text: str) -> str:
         """The user message: the problem followed by the task's instruction."""
@@ -75,7 +90,7 @@ class MathTask(Task):
                 elif ans is None:
                     by_rule[rule] = Grade(None, False, trunc, "no_box")
                 else:
-                    ok = verdicts[(str(problem.answer), ans)]
+                    ok = answer_equal(str(problem.answer), ans, self.equivalence, verdicts[(str(problem.answer), ans)])
                     by_rule[rule] = Grade(ans, ok, trunc, "" if ok else "wrong_answer")
             top = by_rule["strict"]
             grades.append(Grade(top.extracted, top.correct, top.truncated, top.detail, rules=by_rule))

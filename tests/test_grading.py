@@ -23,8 +23,12 @@ from tasks.code_tasks import (
 from tasks.gpqa import GPQADiamond
 from tasks.grading import (
     GRADER_RULES,
+    answer_equal,
+    authors_number,
+    authors_number_equal,
     extract_choice,
     extract_code,
+    extract_code_authors,
     extract_last_boxed,
     find_boxes,
     last_boxed,
@@ -663,3 +667,86 @@ def test_math_equal_handles_garbage() -> None:
     assert math_equal("5", "\\frac{") is False
     assert math_equal("5", "") is False
     assert math_equal("5", None) is False
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# protocol=paper: the authors' answer equivalence and their LiveCodeBench code extraction (terarachang/VaSE@bfa2692)
+
+
+@pytest.mark.parametrize(
+    ("text", "number"),
+    [  # Utils/grader.py parse_digits: commas dropped, float(), else a trailing % (or \%) divides by 100
+        ("1,000", 1000.0),
+        ("50%", 0.5),
+        ("50\\%", 0.5),
+        ("-2.5", -2.5),
+        ("1/2", None),
+        ("\\frac{1}{2}", None),
+        ("x", None),
+    ],
+)
+def test_authors_number_reads_as_their_parse_digits(text: str, number: float | None) -> None:
+    assert authors_number(text) == number
+
+
+@pytest.mark.parametrize(
+    ("gold", "pred", "authors", "math_verify"),
+    [  # their math_equal with include_percentage=True, is_close=True (check_is_correct): gold / 100, gold, gold x 100
+        ("50", "0.5", True, False),  # the prediction as a fraction of the percentage
+        ("0.5", "50", True, False),  # gold x 100
+        ("50", "5000", True, False),
+        ("50", "50", True, True),
+        ("1000", "1,000", True, True),
+        ("3", "3.00005", True, False),  # numeric_equal: abs_tol 1e-4
+        ("3", "3.001", False, False),
+        ("50", "51", False, False),
+        ("\\frac{1}{2}", "0.5", True, True),  # not a number for their rule: math-verify decides (it accepts)
+        ("50", None, False, False),
+    ],
+)
+def test_the_authors_equivalence_accepts_gold_times_and_over_100(gold, pred, authors, math_verify) -> None:
+    assert answer_equal(gold, pred, "authors") is authors
+    assert answer_equal(gold, pred, "math_verify") is math_verify
+    assert authors_number_equal(gold, pred) is (authors and not gold.startswith("\\"))
+
+
+def test_a_math_task_under_the_authors_equivalence_grades_both_rules_with_it() -> None:
+    out = T + "So the probability is \\boxed{0.5}."
+    for task, expected in ((MATH500(equivalence="authors"), True), (MATH500(), False)):
+        grade = task.grade(Problem("p", "q", "50"), out, True)
+        assert grade.correct is expected and grade.rules["last_boxed"].correct is expected, task.equivalence
+    with pytest.raises(ValueError, match=r"^task\.equivalence: must be one of math_verify, authors"):
+        MATH500(equivalence="sympy")
+
+
+PY_BLOCK = "```python\nprint(2)\n```"
+
+
+@pytest.mark.parametrize(
+    ("output", "authors", "harness"),
+    [  # Utils/livecodebench.py _extract_code: the lines between the last two lines that contain a fence, anywhere
+        (T + "Answer:\n" + PY_BLOCK, "print(2)", "print(2)\n"),
+        ("<think>\n```python\nprint(1)\n```\nwait\n</think>\n" + PY_BLOCK, "print(2)", "print(2)\n"),
+        ("<think>\n```python\nprint(1)\n```\nstill thinking", "print(1)", None),  # unclosed thinking: theirs reads it
+        (T + "```cpp\nint x;\n```", "int x;", None),  # any language
+        (T + "see ```python\nprint(3)\nend``` here", "print(3)", None),  # a fence inside a line counts for theirs
+        (T + PY_BLOCK + "\n```python\nprint(4)", "", "print(2)\n"),  # an unclosed last block pairs the wrong fences
+        (T + "no code at all", None, None),
+        (T + "```python\nprint(5)", None, None),  # one fence line: no code
+    ],
+)
+def test_the_authors_code_extraction(output: str, authors: str | None, harness: str | None) -> None:
+    assert extract_code_authors(output, True)[0] == authors
+    assert extract_code(output, True)[0] == harness
+
+
+def test_livecodebench_under_the_authors_extraction_grades_code_inside_unfinished_thinking() -> None:
+    out = "<think>\nlet me write it\n```python\n" + SUM_OK + "```\nhmm, the thinking never closes"
+    harness, authors = LiveCodeBench(timeout_s=600), LiveCodeBench(timeout_s=600, code_extraction="authors")
+    problem = authors.hub_problem(hub_row("q1", SUM_CASES), 0)
+    assert (harness.grade(problem, out, True).detail, harness.grade(problem, out, True).correct) == ("truncated", False)
+    assert harness.grade(problem, _fenced(SUM_OK), True).correct  # the same code after </think>: both read it
+    grade = authors.grade(problem, out, True)
+    assert grade.correct and grade.truncated and grade.extracted == SUM_OK.rstrip("\n")
+    with pytest.raises(ValueError, match=r"^task\.code_extraction: must be one of harness, authors"):
+        LiveCodeBench(code_extraction="regex")

@@ -16,14 +16,16 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from tasks.grading import GRADER_RULES
+from tasks.grading import CODE_EXTRACTIONS, EQUIVALENCES, GRADER_RULES
+from tests.test_tasks import SHARED, needs_shared
 from vase.analysis.load import GRADER_RULES as ANALYSIS_RULES
 from vase.analysis.paper import GSM8K_PILOT
 from vase.engine.rng import TOKEN_SALT, RowRNG
 from vase.engine.sampling import SamplingConfig, candidate_distribution, sample_tokens
 from vase.engine.scores import SCORE_DTYPES
 from vase.run import checks
-from vase.run.protocol import DEFAULT, comparable, run_tag
+from vase.run.protocol import DEFAULT, check_authors_data, comparable, data_copy, run_tag
+from vase.run.results import check_protocol
 from vase.run.runner import prepare, run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -356,3 +358,72 @@ def test_paper_run_evicts_with_bf16_scores(tmp_path):
     assert metrics["grader"] == "last_boxed" and "accuracy_strict" in metrics
     knobs = json.loads((Path(metrics["run_dir"]) / "protocol.json").read_text())["protocol"]
     assert knobs["score_dtype"] == "bfloat16" and knobs["n_protect"] == 8 and knobs["model_dtype"] == "float32"
+
+
+# ---- the authors' data files, answer equivalence and code extraction ------------------------------------------------
+
+
+def test_the_equivalence_and_extraction_choices_are_the_graders():
+    assert checks.EQUIVALENCES == EQUIVALENCES and checks.CODE_EXTRACTIONS == CODE_EXTRACTIONS
+
+
+def test_paper_grades_with_the_authors_equivalence_and_extraction_and_records_them():
+    paper = prepare(_compose(["protocol=paper", "task=math500", "model=qwen3_4b"]))
+    assert paper.task.equivalence == "authors" and paper.protocol["protocol"]["equivalence"] == "authors"
+    lcb = prepare(_compose(["protocol=paper", "task=livecodebench", "model=qwen3_4b"]))
+    assert lcb.task.code_extraction == "authors" and lcb.protocol["protocol"]["code_extraction"] == "authors"
+    default = prepare(_compose(["task=math500", "model=qwen3_4b"]))
+    assert default.task.equivalence == "math_verify" and default.protocol["protocol"]["code_extraction"] is None
+    with pytest.raises(ValueError, match=r"^protocol\.equivalence: unknown choice, got 'sympy'"):
+        prepare(_compose(["task=math500", "model=qwen3_4b", "protocol.equivalence=sympy"]))
+
+
+def test_a_run_stored_before_the_equivalence_knob_resumes_only_as_it_was_graded(tmp_path):
+    """protocol.json of a run made before ``equivalence`` / ``code_extraction`` existed: the default preset (which
+    grades as that run did) resumes it; the authors' equivalence is another protocol and is refused."""
+    prep = prepare(_compose(["task=math500", "model=qwen3_4b"]))
+    old = json.loads(json.dumps(prep.protocol, default=str))
+    del old["task"]["equivalence"], old["protocol"]["equivalence"], old["protocol"]["code_extraction"]
+    (tmp_path / "protocol.json").write_text(json.dumps(old))
+    check_protocol(tmp_path, comparable(tmp_path, prep.protocol), write=False)
+    other = prepare(_compose(["task=math500", "model=qwen3_4b", "protocol.equivalence=authors"]))
+    with pytest.raises(ValueError, match=r"different protocol \(.*equivalence: '<unset>' -> 'authors'"):
+        check_protocol(tmp_path, comparable(tmp_path, other.protocol), write=False)
+
+
+@needs_shared
+@pytest.mark.parametrize("task", ["math500", "aime", "gpqa_diamond", "hmmt25"])
+def test_paper_with_the_shared_data_reads_the_authors_files(task):
+    """../shared/data holds the authors' files (terarachang/VaSE@bfa2692 eval/reasoning_tasks/data/*/test.jsonl):
+    their sha256 is the one protocol=paper lists, and the run records that it read their copy."""
+    cfg = _compose(["protocol=paper", f"task={task}", "model=qwen3_4b", f"task.data_dir={SHARED}"])
+    prep = prepare(cfg)
+    prep.task.load()
+    check_authors_data(prep.task, cfg.protocol)
+    copy = data_copy(prep.task, cfg.protocol)
+    assert copy["copy"] == "authors" and copy["files"]
+    assert all(f["authors"].startswith("eval/reasoning_tasks/data/") for f in copy["files"].values())
+    prep.task.data_dir = None
+    assert data_copy(prep.task, cfg.protocol) == {"copy": "hub", "files": {}}
+
+
+def test_paper_refuses_a_local_copy_that_is_not_the_authors_before_anything(tmp_path):
+    data, results = tmp_path / "mine", tmp_path / "results"
+    data.mkdir()
+    (data / "math500.jsonl").write_text('{"problem": "1+1?", "answer": "2", "unique_id": "a"}\n')
+    args = ["protocol=paper", "task=math500", "model=tiny", f"task.data_dir={data}", "budget=1024", "logger=none"]
+    with pytest.raises(ValueError, match=r"^task\.data_dir: .*math500\.jsonl is not the authors' copy") as err:
+        run(_compose([*args, f"results_dir={results}"]), progress=False)
+    msg = str(err.value)
+    assert "\n" not in msg and "eval/reasoning_tasks/data/math/test.jsonl" in msg and "a2392729" in msg
+    assert "protocol.authors_data={}" in msg and not results.exists()
+    # the fix it names: this copy runs, recorded as a local copy, not the authors'
+    prep = prepare(_compose([*args, "protocol.authors_data={}", f"results_dir={results}"]))
+    prep.task.load()
+    assert data_copy(prep.task, prep.cfg.protocol)["copy"] == "local"
+    # a task whose data the authors do not ship as a file (GSM8K: their code loads the hub) is not checked
+    cfg = _compose(["protocol=paper", "task=gsm8k", "model=tiny", f"task.data_dir={_gsm8k_dir(tmp_path)}"])
+    gsm = prepare(cfg)
+    gsm.task.load()
+    check_authors_data(gsm.task, cfg.protocol)
+    assert data_copy(gsm.task, cfg.protocol)["copy"] == "local"

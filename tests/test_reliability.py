@@ -225,6 +225,13 @@ CASES = [
     ),
     Case(
         "Settings",
+        "`model.reference_tokens` (the reference length behind `ratio=`) not a positive number",
+        "`error: model.reference_tokens: must be a positive number of tokens or null, got 0; e.g. ...`",
+        "2",
+        _t("test_a_bad_reference_length_is_one_line", "tests/test_run_settings.py"),
+    ),
+    Case(
+        "Settings",
         "a bad policy, task or logger field (type, unknown key, range), before Hydra writes anything",
         "`error: policy.n_protect: must be >= 0, got -1`",
         "2",
@@ -309,6 +316,14 @@ CASES = [
         "`error: task.data_dir: <dir> has no math500.jsonl for task math500`",
         "2",
         _t("test_b3_a_data_dir_without_the_file_writes_nothing"),
+    ),
+    Case(
+        "Data",
+        "`protocol=paper` with a `task.data_dir` file that is not the authors' (its sha256)",
+        "`error: task.data_dir: <dir>/math500.jsonl is not the authors' copy (sha256 ..., theirs ...: "
+        "terarachang/VaSE@bfa2692 <path>); ... or run this copy with protocol.authors_data={}`",
+        "2",
+        _t("test_paper_refuses_a_local_copy_that_is_not_the_authors_before_anything", "tests/test_protocol.py"),
     ),
     Case(
         "Data",

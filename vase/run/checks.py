@@ -36,6 +36,9 @@ BATCHING = ("continuous", "per_problem")
 GRADERS = ("strict", "last_boxed")
 #: ``protocol.score_dtype`` (= the names of ``vase.engine.scores.SCORE_DTYPES``).
 SCORE_DTYPES = ("float32", "bfloat16")
+#: ``protocol.equivalence`` and ``protocol.code_extraction`` (= ``tasks.grading.EQUIVALENCES``, ``CODE_EXTRACTIONS``).
+EQUIVALENCES = ("math_verify", "authors")
+CODE_EXTRACTIONS = ("harness", "authors")
 
 _ABSENT = object()
 # Decimal (SI) and binary (IEC) byte units; a bare K/M/G/T is refused as ambiguous.
@@ -296,6 +299,23 @@ def _check_protocol(cfg: DictConfig) -> None:
     _choice(cfg, f"{p}.grader", GRADERS)
     _choice(cfg, f"{p}.score_dtype", SCORE_DTYPES)
     _boolean(cfg, f"{p}.shuffle_choices")
+    _choice(cfg, f"{p}.equivalence", EQUIVALENCES)
+    _choice(cfg, f"{p}.code_extraction", CODE_EXTRACTIONS)
+    authors = _get(cfg, f"{p}.authors_data")
+    if authors not in (_ABSENT, None):
+        if not isinstance(authors, dict):
+            _fail(
+                f"{p}.authors_data", "must be a mapping file -> {path, sha256}", authors, f"e.g. {p}.authors_data={{}}"
+            )
+        for name, entry in authors.items():
+            sha = entry.get("sha256") if isinstance(entry, dict) else None
+            if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+                _fail(
+                    f"{p}.authors_data.{name}",
+                    "must be {path: <file in the authors' repository>, sha256: <64 hex digits>}",
+                    entry,
+                    "fix it (conf/protocol/paper.yaml), or protocol.authors_data={} to check no file",
+                )
     by_task = _get(cfg, f"{p}.n_protect_by_task")
     if by_task not in (_ABSENT, None):
         if not isinstance(by_task, dict):

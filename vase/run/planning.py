@@ -32,7 +32,7 @@ from vase.engine.sampling import SamplingConfig, sample_seeds
 from vase.engine.scores import score_dtype
 from vase.run.checks import check_protocol_n_protect, check_settings, parse_bytes
 from vase.run.preflight import check_cache, check_fields, check_model, load_problems, load_tokenizer, no_problems
-from vase.run.protocol import comparable, protocol_knobs, run_tag
+from vase.run.protocol import check_authors_data, comparable, data_copy, protocol_knobs, run_tag
 from vase.run.protocol import settings as protocol_settings
 from vase.run.results import PROTOCOL, check_protocol, check_resolved, read_json, read_samples, stable_hash
 from vase.run.rundir import check_run_dir
@@ -144,6 +144,7 @@ class Prepared:
     grader: str = "strict"
     score_dtype: Any = None
     reference: dict | None = None  # ratio=: {"tokens", "source", "ratio"}; None for an explicit budget=
+    data_copy: dict | None = None  # which copy of the data the run reads (vase.run.protocol.data_copy), after loading
 
 
 def prepare(cfg: DictConfig) -> Prepared:
@@ -271,7 +272,9 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
     prep.task, problems = load_problems(prep.task, key, cache)
     if not problems:
         raise ValueError(no_problems(prep.task, cfg))
-    data = {"data": prep.task.resolved_sources()}
+    check_authors_data(prep.task, cfg.get("protocol"))  # protocol=paper with task.data_dir: the authors' files
+    prep.data_copy = data_copy(prep.task, cfg.get("protocol"))
+    data = {"data": prep.task.resolved_sources(), "data_copy": prep.data_copy}
     check_resolved(run_dir, data, write=False)  # refuse a resume on changed data (read-only)
     done_rows = read_samples(run_dir)  # samples.jsonl and the rank part files of a data-parallel run
     done = {(r["problem_id"], r["sample"]) for r in done_rows}

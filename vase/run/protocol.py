@@ -19,6 +19,9 @@ from typing import Any
 
 from vase.run.results import read_json, stable_hash
 
+#: the authors' repository at the commit the harness reproduces
+AUTHORS_REPO = "terarachang/VaSE@bfa2692"
+
 #: the ``protocol`` node's own settings under ``protocol=default`` (``conf/protocol/default.yaml``)
 DEFAULT = {"name": "default", "grader": "strict", "score_dtype": "float32"}
 
@@ -75,7 +78,70 @@ def protocol_knobs(prep: Any, grader: str) -> dict:
         "smooth_along": getattr(policy, "smooth_along", None),
         "attn_temperature": getattr(policy, "attn_temperature", None),
         "value_stat": getattr(policy, "value_stat", None),
+        "equivalence": getattr(task, "equivalence", None),
+        "code_extraction": getattr(task, "code_extraction", None),
     }
+
+
+#: settings added to ``protocol.json`` after runs were made, by (section, key): the values under which a stored run
+#: that lacks the key was made (the harness's behaviour before the setting existed); see :func:`comparable`
+LATER_KEYS: dict[tuple[str, str], tuple[Any, ...]] = {
+    ("task", "equivalence"): ("math_verify",),
+    ("task", "code_extraction"): ("harness",),
+    ("protocol", "equivalence"): (None, "math_verify"),
+    ("protocol", "code_extraction"): (None, "harness"),
+}
+
+
+def _without_later_keys(protocol: dict, old: Mapping) -> dict:
+    """``protocol`` without the :data:`LATER_KEYS` that ``old`` (a stored protocol) lacks and whose value here is the
+    behaviour the stored run had: such a run resumes; one that would now be graded otherwise is still refused."""
+    out = dict(protocol)
+    for (section, key), before in LATER_KEYS.items():
+        mine, theirs = out.get(section), old.get(section)
+        if isinstance(mine, Mapping) and isinstance(theirs, Mapping) and key in mine and key not in theirs:
+            if mine[key] in before:
+                out[section] = {k: v for k, v in mine.items() if k != key}
+    return out
+
+
+def data_copy(task: Any, node: Mapping | None) -> dict:
+    """Which copy of its data a run read (``resolved.json`` and ``manifest.json`` ``data_copy``), after ``task.load()``.
+
+    ``{"copy": "hub" | "authors" | "local", "files": {name: {"sha256", "authors"}}}``: ``hub`` without
+    ``task.data_dir``; ``authors`` when every file read that the protocol's ``authors_data`` names is the authors'
+    (``authors``: its path in their repository); ``local`` otherwise (a file the authors do not ship, e.g. GSM8K,
+    which their code loads from the hub, or a copy that is not theirs).
+    """
+    if task.data_dir is None:
+        return {"copy": "hub", "files": {}}
+    authors = dict((node or {}).get("authors_data") or {})
+    files = {}
+    for src in task.resolved_sources():
+        if "file" in src:
+            known = authors.get(src["file"]) or {}
+            match = known.get("sha256") == src["sha256"]
+            files[src["file"]] = {"sha256": src["sha256"], "authors": known.get("path") if match else None}
+    listed = [f for f in files if f in authors]
+    ok = bool(listed) and all(files[f]["authors"] for f in listed)
+    return {"copy": "authors" if ok else "local", "files": files}
+
+
+def check_authors_data(task: Any, node: Mapping | None) -> None:
+    """Under a protocol that lists the authors' data files (``protocol.authors_data``: ``protocol=paper``), a local file
+    of one of those names must be theirs (its sha256): a one-line ``ValueError`` naming it and the fix otherwise."""
+    authors = dict((node or {}).get("authors_data") or {})
+    if task.data_dir is None or not authors:
+        return
+    for name, entry in data_copy(task, node)["files"].items():
+        want = authors.get(name)
+        if want is not None and entry["authors"] is None:
+            mine, theirs = entry["sha256"][:12], str(want.get("sha256"))[:12]
+            raise ValueError(
+                f"task.data_dir: {Path(task.data_dir) / name} is not the authors' copy (sha256 {mine}..., theirs "
+                f"{theirs}...: {AUTHORS_REPO} {want.get('path')}); protocol {settings(node)['name']!r} reads their "
+                "files: point task.data_dir at them (../shared/data), or run this copy with protocol.authors_data={}"
+            )
 
 
 def comparable(run_dir: Path, protocol: dict) -> dict:
@@ -86,6 +152,7 @@ def comparable(run_dir: Path, protocol: dict) -> dict:
     if not stored.exists() or section is None:
         return protocol
     old = read_json(stored)  # a damaged file: one line naming it and the fix
+    protocol = _without_later_keys(protocol, old)
     if "protocol" not in old and settings(section) == DEFAULT:
         return {k: v for k, v in protocol.items() if k != "protocol"}
     return protocol

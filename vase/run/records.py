@@ -348,6 +348,8 @@ def manifest(prep, model, tokenizer, spec, dtype_reason: str, dec, plan, stop) -
             "sync_every": dec.sync_every,
         },
         "dataset": prep.task.describe() if hasattr(prep.task, "describe") else {"name": prep.task.name},
+        # hub, the authors' files (terarachang/VaSE@bfa2692) or another local copy (docs/protocol.md)
+        "data_copy": prep.data_copy,
         "prompt_template": getattr(tokenizer, "chat_template", None),
         "thinking": prep.thinking,
         "sampling": asdict(prep.sampling),
