@@ -10,8 +10,11 @@ docs/protocol.md):
 * ``last_boxed`` (the authors' parser, terarachang/VaSE ``Utils/parser.py`` ``extract_answer``): the text after the last
   ``boxed`` anywhere in the output, the thinking included and even when it never closed (:func:`extract_last_boxed`);
   for multiple choice, the last stand-alone letter in that box (their ``choice_answer_clean``,
-  :func:`extract_choice_last_boxed`). No fallback without a box. Equivalence is the same math-verify check as
-  ``strict``, so the two rules differ only in where the answer is read.
+  :func:`extract_choice_last_boxed`). No fallback without a box. Equivalence is the same check as ``strict``
+  (math-verify; with a task's ``equivalence="authors"``, ``protocol=paper``, also the authors' numeric rule
+  :func:`authors_number_equal`), so the two rules differ only in where the answer is read.
+* Code under ``code_extraction="authors"`` (LiveCodeBench, ``protocol=paper``): their ``_extract_code``
+  (:func:`extract_code_authors`).
 
 The ``strict`` rules (see ``tests/test_grading.py`` for the golden table):
 
@@ -312,7 +315,7 @@ def authors_number(text: str) -> float | None:
 
 
 def authors_number_equal(gold: str, pred: str | None) -> bool:
-    """The numeric branch of the authors' ``math_equal`` (``Utils/grader.py`` L143-160, called by ``check_is_correct``
+    """The numeric branch of the authors' ``math_equal`` (``Utils/grader.py`` L145-164, called by ``check_is_correct``
     with ``include_percentage=True``, ``is_close=True``): both sides numbers (:func:`authors_number`) and the prediction
     within an absolute 1e-4 (``numeric_equal``, L345-354) of gold / 100, gold or gold x 100. So 0.5 is right for a
     gold of 50, and 5000 too."""
