@@ -24,7 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 STAMP=$(date +%Y%m%d_%H%M%S)
 OUT=${OUT:-results/bench/paper14b_${STAMP}}
-source scripts/project_python.sh   # PY: PY=, the active venv / conda env, else .venv (as the Makefile)
+source scripts/project_python.sh   # PY: PY=, the active venv / conda env, else .venv (as the Makefile), else python3
 
 if [[ "${1:-}" == "--dry-run" ]]; then
   exec "$PY" scripts/bench_throughput.py --preset paper14b --device cpu --model tiny --dtype float32 --batch 4 \

@@ -13,11 +13,11 @@
 # Usage:
 #   scripts/gpu_smoke.sh              # on the GPU machine; results in results/bench/gpu_smoke_<time>/
 #   scripts/gpu_smoke.sh --dry-run    # on a CPU, tiny shapes: every code path the GPU run takes but the kernels
-# Python: PY=/path/to/python, else the active virtual environment or conda env, else .venv/ (as the Makefile:
-# scripts/project_python.sh), so it runs right after `make run` without activating anything.
+# Python: PY=/path/to/python, else the active virtual environment or conda env, else .venv/ (as the Makefile;
+# no .venv: python3 from PATH; scripts/project_python.sh), so it runs right after `make run` without activation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source scripts/project_python.sh   # PY: PY=, the active venv / conda env, else .venv (as the Makefile)
+source scripts/project_python.sh   # PY: PY=, the active venv / conda env, else .venv (as the Makefile), else python3
 
 if [[ "${1:-}" == "--dry-run" ]]; then
   shift

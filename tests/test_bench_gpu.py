@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -189,9 +190,11 @@ def test_gpu_scripts_pick_the_projects_python_as_the_makefile(tmp_path, script):
     venv, conda, dot = (_fake_python(tmp_path / n, n) for n in ("venv", "conda", "dotvenv"))
     bare = {k: v for k, v in os.environ.items() if k not in ("PY", "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV")}
 
+    bash = shutil.which("bash")
+
     def which(**env: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            ["bash", script, "--dry-run"], cwd=REPO, env={**bare, **env}, capture_output=True, text=True, timeout=60
+            [bash, script, "--dry-run"], cwd=REPO, env={**bare, **env}, capture_output=True, text=True, timeout=60
         )
 
     cases = [
@@ -212,7 +215,17 @@ def test_gpu_scripts_pick_the_projects_python_as_the_makefile(tmp_path, script):
         assert r.returncode == 0 and r.stdout.strip().startswith(f"{expected}:"), (env, r.stdout, r.stderr)
         assert "dry" in r.stdout  # the dry run was asked for
     assert venv.exists() and conda.exists()
-    r = which(VENV=str(tmp_path / "nowhere"))
+    # no .venv: python3 from PATH (a machine set up by hand), said in one line; nothing at all: one line with the fix
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for tool in ("dirname", "date", "bash"):  # bash: the fake interpreters are bash scripts
+        (tools / tool).symlink_to(shutil.which(tool))
+    _fake_python(tmp_path / "onpath", "onpath").rename(tools / "python3")
+    r = which(VENV=str(tmp_path / "nowhere"), PATH=str(tools))
+    assert r.returncode == 0 and r.stdout.startswith("onpath:"), (r.stdout, r.stderr)
+    assert r.stderr.count("\n") == 1 and "no " + str(tmp_path / "nowhere") + "/bin/python" in r.stderr
+    (tools / "python3").unlink()
+    r = which(VENV=str(tmp_path / "nowhere"), PATH=str(tools))
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and f"no Python at {tmp_path / 'nowhere'}/bin/python" in r.stderr
     assert "make setup" in r.stderr and "PY=" in r.stderr
