@@ -23,8 +23,9 @@ from vase.analysis.paper import GSM8K_PILOT
 from vase.engine.rng import TOKEN_SALT, RowRNG
 from vase.engine.sampling import SamplingConfig, candidate_distribution, sample_tokens
 from vase.engine.scores import SCORE_DTYPES
+from vase.hub import sha256_file
 from vase.run import checks
-from vase.run.protocol import DEFAULT, check_authors_data, comparable, data_copy, run_tag
+from vase.run.protocol import AUTHORS_DATA, DEFAULT, check_authors_data, comparable, data_copy, run_tag
 from vase.run.results import check_protocol
 from vase.run.runner import prepare, run
 
@@ -391,20 +392,31 @@ def test_a_run_stored_before_the_equivalence_knob_resumes_only_as_it_was_graded(
         check_protocol(tmp_path, comparable(tmp_path, other.protocol), write=False)
 
 
+def test_the_authors_data_table_is_their_repository_and_the_shared_copies():
+    """Each entry names a file of their repository at bfa2692; where ../shared/data is here, its files have the
+    listed sha256 (the copies are theirs byte for byte)."""
+    assert len(AUTHORS_DATA) == 10
+    for name, (path, sha) in AUTHORS_DATA.items():
+        assert path.startswith("eval/reasoning_tasks/data/") and path.endswith("/test.jsonl") and len(sha) == 64
+        if SHARED.is_dir():
+            assert sha256_file(SHARED / name) == sha, name
+
+
 @needs_shared
 @pytest.mark.parametrize("task", ["math500", "aime", "gpqa_diamond", "hmmt25"])
 def test_paper_with_the_shared_data_reads_the_authors_files(task):
-    """../shared/data holds the authors' files (terarachang/VaSE@bfa2692 eval/reasoning_tasks/data/*/test.jsonl):
-    their sha256 is the one protocol=paper lists, and the run records that it read their copy."""
-    cfg = _compose(["protocol=paper", f"task={task}", "model=qwen3_4b", f"task.data_dir={SHARED}"])
-    prep = prepare(cfg)
-    prep.task.load()
-    check_authors_data(prep.task, cfg.protocol)
-    copy = data_copy(prep.task, cfg.protocol)
-    assert copy["copy"] == "authors" and copy["files"]
-    assert all(f["authors"].startswith("eval/reasoning_tasks/data/") for f in copy["files"].values())
+    """protocol=paper with ../shared/data: the check passes and the run records that it read the authors' copy (any
+    protocol records it)."""
+    for preset in (["protocol=paper"], []):
+        cfg = _compose([*preset, f"task={task}", "model=qwen3_4b", f"task.data_dir={SHARED}"])
+        prep = prepare(cfg)
+        prep.task.load()
+        check_authors_data(prep.task, cfg.protocol)
+        copy = data_copy(prep.task)
+        assert copy["copy"] == "authors" and copy["files"]
+        assert all(f["authors"].startswith("eval/reasoning_tasks/data/") for f in copy["files"].values())
     prep.task.data_dir = None
-    assert data_copy(prep.task, cfg.protocol) == {"copy": "hub", "files": {}}
+    assert data_copy(prep.task) == {"copy": "hub", "files": {}}
 
 
 def test_paper_refuses_a_local_copy_that_is_not_the_authors_before_anything(tmp_path):
@@ -416,14 +428,20 @@ def test_paper_refuses_a_local_copy_that_is_not_the_authors_before_anything(tmp_
         run(_compose([*args, f"results_dir={results}"]), progress=False)
     msg = str(err.value)
     assert "\n" not in msg and "eval/reasoning_tasks/data/math/test.jsonl" in msg and "a2392729" in msg
-    assert "protocol.authors_data={}" in msg and not results.exists()
-    # the fix it names: this copy runs, recorded as a local copy, not the authors'
-    prep = prepare(_compose([*args, "protocol.authors_data={}", f"results_dir={results}"]))
-    prep.task.load()
-    assert data_copy(prep.task, prep.cfg.protocol)["copy"] == "local"
+    assert "protocol.require_authors_data=false" in msg and not results.exists()
+    # the fix it names: this copy runs, recorded as a local copy, not the authors' (so does the default protocol)
+    for extra in (["protocol.require_authors_data=false"], ["protocol=default"]):
+        cfg = _compose([*args, *extra, f"results_dir={results}"])
+        prep = prepare(cfg)
+        prep.task.load()
+        check_authors_data(prep.task, cfg.protocol)
+        assert data_copy(prep.task) == {
+            "copy": "local",
+            "files": {"math500.jsonl": {"sha256": sha256_file(data / "math500.jsonl"), "authors": None}},
+        }
     # a task whose data the authors do not ship as a file (GSM8K: their code loads the hub) is not checked
     cfg = _compose(["protocol=paper", "task=gsm8k", "model=tiny", f"task.data_dir={_gsm8k_dir(tmp_path)}"])
     gsm = prepare(cfg)
     gsm.task.load()
     check_authors_data(gsm.task, cfg.protocol)
-    assert data_copy(gsm.task, cfg.protocol)["copy"] == "local"
+    assert data_copy(gsm.task)["copy"] == "local"

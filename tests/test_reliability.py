@@ -321,7 +321,7 @@ CASES = [
         "Data",
         "`protocol=paper` with a `task.data_dir` file that is not the authors' (its sha256)",
         "`error: task.data_dir: <dir>/math500.jsonl is not the authors' copy (sha256 ..., theirs ...: "
-        "terarachang/VaSE@bfa2692 <path>); ... or run this copy with protocol.authors_data={}`",
+        "terarachang/VaSE@bfa2692 <path>); ... or run this copy with protocol.require_authors_data=false`",
         "2",
         _t("test_paper_refuses_a_local_copy_that_is_not_the_authors_before_anything", "tests/test_protocol.py"),
     ),

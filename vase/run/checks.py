@@ -301,21 +301,7 @@ def _check_protocol(cfg: DictConfig) -> None:
     _boolean(cfg, f"{p}.shuffle_choices")
     _choice(cfg, f"{p}.equivalence", EQUIVALENCES)
     _choice(cfg, f"{p}.code_extraction", CODE_EXTRACTIONS)
-    authors = _get(cfg, f"{p}.authors_data")
-    if authors not in (_ABSENT, None):
-        if not isinstance(authors, dict):
-            _fail(
-                f"{p}.authors_data", "must be a mapping file -> {path, sha256}", authors, f"e.g. {p}.authors_data={{}}"
-            )
-        for name, entry in authors.items():
-            sha = entry.get("sha256") if isinstance(entry, dict) else None
-            if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
-                _fail(
-                    f"{p}.authors_data.{name}",
-                    "must be {path: <file in the authors' repository>, sha256: <64 hex digits>}",
-                    entry,
-                    "fix it (conf/protocol/paper.yaml), or protocol.authors_data={} to check no file",
-                )
+    _boolean(cfg, f"{p}.require_authors_data")
     by_task = _get(cfg, f"{p}.n_protect_by_task")
     if by_task not in (_ABSENT, None):
         if not isinstance(by_task, dict):

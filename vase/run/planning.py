@@ -273,7 +273,7 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
     if not problems:
         raise ValueError(no_problems(prep.task, cfg))
     check_authors_data(prep.task, cfg.get("protocol"))  # protocol=paper with task.data_dir: the authors' files
-    prep.data_copy = data_copy(prep.task, cfg.get("protocol"))
+    prep.data_copy = data_copy(prep.task)
     data = {"data": prep.task.resolved_sources(), "data_copy": prep.data_copy}
     check_resolved(run_dir, data, write=False)  # refuse a resume on changed data (read-only)
     done_rows = read_samples(run_dir)  # samples.jsonl and the rank part files of a data-parallel run

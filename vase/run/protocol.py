@@ -22,6 +22,51 @@ from vase.run.results import read_json, stable_hash
 #: the authors' repository at the commit the harness reproduces
 AUTHORS_REPO = "terarachang/VaSE@bfa2692"
 
+#: the authors' data files: the harness's file name -> (their file at ``bfa2692``, its sha256). Computed from their
+#: repository (``git show bfa2692:<path> | sha256sum``); the copies in ``../shared/data`` are these files byte for byte.
+AUTHORS_DATA: dict[str, tuple[str, str]] = {
+    "aime24.jsonl": (
+        "eval/reasoning_tasks/data/aime24/test.jsonl",
+        "a0f7eb9915f60f70fdaa9375414869d101eab639a67acf652cde98166efcd1cc",
+    ),
+    "aime25.jsonl": (
+        "eval/reasoning_tasks/data/aime25/test.jsonl",
+        "12467eb9bb7423968809cd205c6ed281a6230e4e0fd6de948ff1d6cded259369",
+    ),
+    "aime26.jsonl": (
+        "eval/reasoning_tasks/data/aime26/test.jsonl",
+        "0f06796196f75df28d8034c77a535436a412950557d37aecbd2b2494d5e53193",
+    ),
+    "amc.jsonl": (
+        "eval/reasoning_tasks/data/amc/test.jsonl",
+        "43707e1ca784602d8479de24ee8ce36609dbebc46dd152b0b12a46611aa898a4",
+    ),
+    "gpqa_diamond.jsonl": (
+        "eval/reasoning_tasks/data/gpqa/test.jsonl",
+        "1eed4e8b60f983b0106a3ae26db2ffa9eff4fb816611f05a172fafee50a81c7f",
+    ),
+    "hmmt25.jsonl": (
+        "eval/reasoning_tasks/data/hmmt/test.jsonl",
+        "045ad97877139ae221dcb951e6d11a5096b7b65ebabcc00179b72df3dd8abcff",
+    ),
+    "livecodebench_v6_medium.jsonl": (
+        "eval/reasoning_tasks/data/livecodebench/test.jsonl",
+        "9758c5ac9213e89c1ca77ab3923413e32a15e36247f9b0546c4eed5c894f3816",
+    ),
+    "math500.jsonl": (
+        "eval/reasoning_tasks/data/math/test.jsonl",
+        "a239272930e5202bf1d5275f7fa475a56687c775a61f1354a6d3371bf9dd7a94",
+    ),
+    "minerva.jsonl": (
+        "eval/reasoning_tasks/data/minerva/test.jsonl",
+        "e04ec2bc1d8f80a0091b4b1989f1ffb366f3583f5bae381546a066d4ccc26e3d",
+    ),
+    "olympiadbench.jsonl": (
+        "eval/reasoning_tasks/data/olympiadbench/test.jsonl",
+        "8016961fd178845f84b0b6c03afb2c9c8638f7e0b692142608970e5c9faaad2f",
+    ),
+}
+
 #: the ``protocol`` node's own settings under ``protocol=default`` (``conf/protocol/default.yaml``)
 DEFAULT = {"name": "default", "grader": "strict", "score_dtype": "float32"}
 
@@ -105,42 +150,39 @@ def _without_later_keys(protocol: dict, old: Mapping) -> dict:
     return out
 
 
-def data_copy(task: Any, node: Mapping | None) -> dict:
+def data_copy(task: Any) -> dict:
     """Which copy of its data a run read (``resolved.json`` and ``manifest.json`` ``data_copy``), after ``task.load()``.
 
     ``{"copy": "hub" | "authors" | "local", "files": {name: {"sha256", "authors"}}}``: ``hub`` without
-    ``task.data_dir``; ``authors`` when every file read that the protocol's ``authors_data`` names is the authors'
-    (``authors``: its path in their repository); ``local`` otherwise (a file the authors do not ship, e.g. GSM8K,
-    which their code loads from the hub, or a copy that is not theirs).
+    ``task.data_dir``; ``authors`` when every file read that :data:`AUTHORS_DATA` names is the authors' (``authors``:
+    its path in their repository); ``local`` otherwise (a file the authors do not ship, e.g. GSM8K, which their code
+    loads from the hub, or a copy that is not theirs: ``authors: null``).
     """
     if task.data_dir is None:
         return {"copy": "hub", "files": {}}
-    authors = dict((node or {}).get("authors_data") or {})
     files = {}
     for src in task.resolved_sources():
         if "file" in src:
-            known = authors.get(src["file"]) or {}
-            match = known.get("sha256") == src["sha256"]
-            files[src["file"]] = {"sha256": src["sha256"], "authors": known.get("path") if match else None}
-    listed = [f for f in files if f in authors]
+            path, sha = AUTHORS_DATA.get(src["file"], (None, None))
+            files[src["file"]] = {"sha256": src["sha256"], "authors": path if sha == src["sha256"] else None}
+    listed = [f for f in files if f in AUTHORS_DATA]
     ok = bool(listed) and all(files[f]["authors"] for f in listed)
     return {"copy": "authors" if ok else "local", "files": files}
 
 
 def check_authors_data(task: Any, node: Mapping | None) -> None:
-    """Under a protocol that lists the authors' data files (``protocol.authors_data``: ``protocol=paper``), a local file
-    of one of those names must be theirs (its sha256): a one-line ``ValueError`` naming it and the fix otherwise."""
-    authors = dict((node or {}).get("authors_data") or {})
-    if task.data_dir is None or not authors:
+    """Under a protocol that requires the authors' data (``protocol.require_authors_data``: ``protocol=paper``), a local
+    file of one of the names of :data:`AUTHORS_DATA` must be theirs (its sha256): one line naming it and the fix."""
+    if task.data_dir is None or not (node or {}).get("require_authors_data"):
         return
-    for name, entry in data_copy(task, node)["files"].items():
-        want = authors.get(name)
-        if want is not None and entry["authors"] is None:
-            mine, theirs = entry["sha256"][:12], str(want.get("sha256"))[:12]
+    for name, entry in data_copy(task)["files"].items():
+        if name in AUTHORS_DATA and entry["authors"] is None:
+            path, sha = AUTHORS_DATA[name]
             raise ValueError(
-                f"task.data_dir: {Path(task.data_dir) / name} is not the authors' copy (sha256 {mine}..., theirs "
-                f"{theirs}...: {AUTHORS_REPO} {want.get('path')}); protocol {settings(node)['name']!r} reads their "
-                "files: point task.data_dir at them (../shared/data), or run this copy with protocol.authors_data={}"
+                f"task.data_dir: {Path(task.data_dir) / name} is not the authors' copy (sha256 {entry['sha256'][:12]}"
+                f"..., theirs {sha[:12]}...: {AUTHORS_REPO} {path}); protocol {settings(node)['name']!r} reads their "
+                "files: point task.data_dir at them (../shared/data), or run this copy with "
+                "protocol.require_authors_data=false"
             )
 
 
