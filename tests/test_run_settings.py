@@ -3,6 +3,7 @@ for a model the task's table does not list, and a preset's default ``limit`` aga
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -103,3 +104,14 @@ def test_a_short_id_list_under_the_limit_logs_nothing(caplog):
     prep = prepare(compose([*BASE, _ids(IDS[:3])]))
     assert [p.id for p in prep.task.load()] == IDS[:3]
     assert not [r for r in caplog.records if "problem_ids" in r.getMessage()]
+
+
+def test_a_run_records_the_reference_length_and_the_data_copy(finished_run):
+    """The finished tiny run (explicit budget, generated problems): manifest.json and metrics.json say that no
+    reference length was used, and resolved.json / manifest.json which copy of the data it read (none: generated)."""
+    manifest = json.loads((finished_run / "manifest.json").read_text())
+    metrics = json.loads((finished_run / "metrics.json").read_text())
+    resolved = json.loads((finished_run / "resolved.json").read_text())
+    assert manifest["budget_reference"] is None and manifest["data_copy"] == {"copy": "builtin", "files": {}}
+    assert metrics["budget_source"] == "explicit" and metrics["reference_tokens"] is None
+    assert metrics["reference_source"] is None and resolved["data_copy"] == manifest["data_copy"]

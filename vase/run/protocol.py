@@ -153,13 +153,14 @@ def _without_later_keys(protocol: dict, old: Mapping) -> dict:
 def data_copy(task: Any) -> dict:
     """Which copy of its data a run read (``resolved.json`` and ``manifest.json`` ``data_copy``), after ``task.load()``.
 
-    ``{"copy": "hub" | "authors" | "local", "files": {name: {"sha256", "authors"}}}``: ``hub`` without
-    ``task.data_dir``; ``authors`` when every file read that :data:`AUTHORS_DATA` names is the authors' (``authors``:
+    ``{"copy": "hub" | "builtin" | "authors" | "local", "files": {name: {"sha256", "authors"}}}``: ``hub`` without
+    ``task.data_dir`` (``builtin`` for a task whose problems come from a package or a generator, e.g. HumanEval,
+    ``gsm_symbolic``); ``authors`` when every file read that :data:`AUTHORS_DATA` names is the authors' (``authors``:
     its path in their repository); ``local`` otherwise (a file the authors do not ship, e.g. GSM8K, which their code
     loads from the hub, or a copy that is not theirs: ``authors: null``).
     """
     if task.data_dir is None:
-        return {"copy": "hub", "files": {}}
+        return {"copy": "hub" if task.hub_sources() else "builtin", "files": {}}
     files = {}
     for src in task.resolved_sources():
         if "file" in src:
