@@ -66,6 +66,7 @@ BAD = [
     ("generation.top_k=-1", "generation.top_k"),
     ("generation.top_k=2.5", "generation.top_k"),
     ("generation.greedy=maybe", "generation.greedy"),
+    ("generation.check_policy_output=often", "generation.check_policy_output"),
     ("generation.max_length=1.5", "generation.max_length"),
     ("generation.max_length=true", "generation.max_length"),
     ("ratio=0", "ratio"),

@@ -10,41 +10,50 @@ What must hold (issue: continuous batching):
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from tests.policy_configs import ALL_CONFIGS, calibrate, small_config
 from tests.seer_reference import write_random_gates
 from vase.engine import Decoder, Request, SamplingConfig, generate, sample_seeds
 from vase.engine.attention import eager_attention
 from vase.engine.cache import cache_capacity
 from vase.models import tiny_config, tiny_model
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "policy"
-POLICIES = ["full", "snapkv", "vase_attnv", "vase_dkv", "quest", "seer_attention_r"]
+POLICIES = ALL_CONFIGS  # every conf/policy/*.yaml
 BUDGET, WINDOW = 32, 8
 MODEL = dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
 _GATES = tempfile.TemporaryDirectory()
 
 
 def load_policy(name: str, budget: int = BUDGET, window: int = WINDOW):
-    cfg = OmegaConf.load(CONF / f"{name}.yaml")
-    cfg.budget, cfg.window = budget, window
-    if name == "quest":
-        cfg.page_size = 8
-        cfg.dense_layers = 1  # the model has 2 layers
-    if name == "seer_attention_r":  # random gates of the model's geometry, 8-token blocks
+    """Config ``name`` for the 2-layer model (:func:`tests.policy_configs.small_config`: Quest's pages of 8 and one
+    dense layer, a long declared period scaled down); random SeerAttention-R gates of 8-token blocks; a pinned prompt
+    (up to 40 tokens here) gets a budget it fits in; TriAttention calibrated on the model."""
+    cfg = small_config(name, budget, window, n_layers=MODEL["num_hidden_layers"])
+    if cfg.get("keep_prompt"):
+        cfg.budget = 64
+    if "gate_path" in cfg:  # random gates of the model's geometry, 8-token blocks
         gates = Path(_GATES.name) / "gates"
         if not gates.exists():
             write_random_gates(gates, tiny_config("qwen3", **MODEL), block_size=8)
         cfg.gate_path, cfg.block_size = str(gates), 8
-    return instantiate(cfg)
+    policy = instantiate(cfg)
+    if policy.calibration_input() is not None:
+        calibrate(policy, _calibration_model())
+    return policy
+
+
+@functools.cache
+def _calibration_model():
+    return tiny_model("qwen3", **MODEL)  # the same weights as the ``model`` fixture (tiny models are seeded)
 
 
 def prompts(lengths=(11, 27, 19, 40), vocab: int = 256) -> list[torch.Tensor]:
@@ -65,7 +74,9 @@ def decode_all(model, policy, reqs, rows, max_new, sampling, eos=(), **kw):
     return dec, {(f.key, f.sample): f for f in dec.run(reqs)}
 
 
-@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "greedy", [pytest.param(True, marks=pytest.mark.slow), False], ids=["greedy", "sampled"]
+)  # sampled, the stricter (every row draws): for every config by default; greedy with make test-slow
 @pytest.mark.parametrize("name", POLICIES)
 def test_sample_tokens_do_not_depend_on_the_batch(model, name, greedy):
     """fp32, same seeds: each sample decoded alone == decoded among rows of 4 prompts of different lengths, with

@@ -9,6 +9,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from baselines.random import RandomEviction
 from baselines.streaming import Streaming
+from tests.policy_configs import configs_of_kind, load_small
 from vase.engine import SamplingConfig, generate, sample_seeds, vase_attention
 from vase.engine.attention import eager_attention
 from vase.engine.policy import FullCache
@@ -80,13 +81,16 @@ AttentionInterface.register("vase_test_masked", _masked_reference_attention)
 AttentionMaskInterface.register("vase_test_masked", lambda *a, **k: None)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_eviction_equals_masking(arch):
-    """After several random evictions, every step's logits equal the unmodified model on the whole sequence with a
+@pytest.mark.parametrize(
+    "arch,name", [("qwen3", n) for n in configs_of_kind("eviction")] + [("llama", "random")]
+)  # every eviction config (conf/policy/*.yaml), and one on a second architecture
+def test_eviction_equals_masking(arch, name, tmp_path):
+    """After several evictions, every step's logits equal the unmodified model on the whole sequence with a
     per-(layer, KV head) mask that hides exactly the entries evicted before that step."""
     model = tiny_model(arch, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
     prompt = _prompt(20)
     rows, window, budget, new = 2, 8, 32, 70
+    policy = load_small(name, budget, window, model, tmp_path)
     snapshots: dict[int, list[torch.Tensor]] = {}
     logits: dict[int, torch.Tensor] = {}
     holder = {}
@@ -98,7 +102,7 @@ def test_eviction_equals_masking(arch):
     out = generate(
         model,
         prompt,
-        RandomEviction(budget=budget, window=window),
+        policy,
         n_samples=rows,
         sampling=SamplingConfig(temperature=1.0),
         max_new_tokens=new,

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from baselines.evict_large_value import EvictLargeValue
 from baselines.rkv import RKV
 from baselines.snapkv import SnapKV
+from tests.policy_configs import ALL_CONFIGS, CONF, calibrate  # every conf/policy/*.yaml
 from vase.engine.policy import EvictionInputs, SelectionInputs
 from vase.engine.scores import (
     page_min_max,
@@ -25,8 +26,6 @@ from vase.engine.scores import (
 from vase.policies.attnv import VaSEAttnV
 from vase.policies.dkv import VaSEDKV
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "policy"
-ALL_CONFIGS = sorted(p.stem for p in CONF.glob("*.yaml"))
 BUDGET, WINDOW = 64, 16
 N_KEEP, N_CAND, DIM = BUDGET - WINDOW, 80, 16
 LAYOUTS = {"mha": (4, 4), "gqa": (2, 8)}  # (H, Hq)
@@ -64,6 +63,8 @@ def make_inputs(
             rest = torch.randperm(4 * n, generator=g)[: n - 4] + 4
             positions[bi, hi] = torch.cat([torch.arange(4), rest])[torch.randperm(n, generator=g)]
     seeds = seeds if seeds is not None else list(range(100, 100 + b))
+    window_positions = torch.arange(4 * n, 4 * n + WINDOW).expand(b, h, WINDOW).clone()  # newer than every candidate
+    ring = torch.arange(4 * n, 4 * n + WINDOW)
     return EvictionInputs(
         keys=torch.randn(b, h, n, DIM, generator=g),
         values=values,
@@ -75,6 +76,9 @@ def make_inputs(
         state={} if state is None else state,
         queries=torch.randn(b, hq, WINDOW, DIM, generator=g),
         window_keys=torch.randn(b, h, WINDOW, DIM, generator=g),
+        window_positions=window_positions,
+        query_positions=ring[(ring % WINDOW).argsort()].expand(b, WINDOW).clone(),  # slot s holds p % WINDOW == s
+        n_new_queries=torch.full((b,), WINDOW),
     )
 
 
@@ -91,6 +95,9 @@ def row(inputs: EvictionInputs, r: int, seed: int) -> EvictionInputs:
         state={},
         queries=inputs.queries[r : r + 1],
         window_keys=inputs.window_keys[r : r + 1],
+        window_positions=inputs.window_positions[r : r + 1],
+        query_positions=inputs.query_positions[r : r + 1],
+        n_new_queries=inputs.n_new_queries[r : r + 1],
     )
 
 
@@ -135,6 +142,9 @@ def test_every_config_instantiates_with_its_name():
         "curdkv_original",
         "random_keep_prompt",
         "seer_attention_r",
+        "h2o",
+        "keydiff",
+        "triattention",
     } <= set(ALL_CONFIGS)
 
 
@@ -142,7 +152,7 @@ def test_every_config_instantiates_with_its_name():
 @pytest.mark.parametrize("name", kinds("eviction"))
 def test_eviction_contract(name, layout):
     h, hq = LAYOUTS[layout]
-    policy = load_policy(name)
+    policy = calibrate(load_policy(name), layers=1, q_heads=hq, head_dim=DIM)  # TriAttention: random centres
     inputs = make_inputs(3, h, hq)
     idx = policy.keep(inputs)
 

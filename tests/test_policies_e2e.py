@@ -10,31 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
+from tests.policy_configs import ALL_CONFIGS, load_small
 from vase.engine import SamplingConfig, generate
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "policy"
-ALL_CONFIGS = sorted(p.stem for p in CONF.glob("*.yaml"))
 SAMPLING = SamplingConfig(temperature=0.6, top_p=0.95, top_k=20)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_policy(name: str, budget: int, window: int, model=None, tmp_path: Path | None = None):
-    """Config ``name`` at ``budget``/``window``. With ``model``: a policy that loads a checkpoint (SeerAttention-R) gets
-    random gates of the model's geometry (16-token blocks); dense layers leave at least one sparse layer."""
-    cfg = OmegaConf.load(CONF / f"{name}.yaml")
-    cfg.budget, cfg.window = budget, window
-    if cfg.get("evict_every") is not None:  # a declared period (R-KV's 128) scales with the test's small budget
-        cfg.evict_every = 2 * window
-    if model is not None and "gate_path" in cfg:
-        from tests.seer_reference import write_random_gates
-
-        cfg.gate_path = str(write_random_gates(tmp_path / "gates", model.config, block_size=16))
-        cfg.block_size = 16
-    if model is not None and "dense_layers" in cfg:  # the tiny models have 2 layers, Quest keeps 2 dense
-        cfg.dense_layers = min(cfg.dense_layers, model.config.num_hidden_layers - 1)
-    return instantiate(cfg)
+    """Config ``name`` at ``budget``/``window``, scaled to the model (:func:`tests.policy_configs.load_small`: a
+    declared period longer than the window becomes ``2 * window``, random SeerAttention-R gates of the model's
+    geometry, Quest's dense layers leave a sparse one, TriAttention calibrated on the model)."""
+    return load_small(name, budget, window, model, tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +118,40 @@ def test_policy_runs_on_real_model(real, name, tmp_path):
     )
     prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
     run_and_check(model, prompt, name, budget=64, window=16, new_tokens=120, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("name", ["h2o", "keydiff", "triattention"])
+def test_new_baseline_runs_end_to_end_through_run_py(name, tmp_path):
+    """The 2026 baselines through ``run.py`` offline on the tiny model, with every keep() answer checked
+    (``generation.check_policy_output=true``) and the schedule set without ``+``; TriAttention's calibration is saved
+    in the run directory and recorded in the manifest."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    budget = 128 if name == "triattention" else 32  # TriAttention pins the ~80-token prompt (the authors' default)
+    settings = f"model=tiny task=gsm_symbolic policy={name} limit=1 n_samples=1 budget={budget} window=16 "
+    settings += "policy.evict_every=16 generation.max_length=320 generation.check_policy_output=true logger=none"
+    cmd = [sys.executable, str(ROOT / "run.py"), *settings.split(), "progress=false", f"results_dir={tmp_path}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (run_dir,) = (tmp_path / "gsm_symbolic" / "tiny").iterdir()
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["evictions"] > 0 and metrics["nonfinite_rate"] == 0
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["policy"]["name"] == name and manifest["policy"]["evict_every"] == 16
+    if name == "triattention":
+        import hashlib
+
+        import torch
+
+        calib = manifest["calibration"]
+        text = (ROOT / "baselines" / "data" / "triattention_calibration.txt").read_bytes()
+        assert calib["text_sha256"] == hashlib.sha256(text).hexdigest() and calib["tokens"] > 1000
+        record = torch.load(run_dir / "calibration.pt", weights_only=True)
+        assert record["q_mean"].shape[:2] == (2, 4) and torch.isfinite(record["q_mean"]).all()
+        assert calib["file_sha256"] == hashlib.sha256((run_dir / "calibration.pt").read_bytes()).hexdigest()
+    else:
+        assert "calibration" not in manifest and not (run_dir / "calibration.pt").exists()

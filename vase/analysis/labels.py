@@ -140,6 +140,21 @@ def policy_class_name(target: str) -> str | None:
         return None
 
 
+def policy_display_name(name: str, target: str | None = None) -> str:
+    """How tables and figures name policy ``name``: :data:`POLICY_LABELS`, else the ``display_name`` its class
+    declares (``target``: the run's ``_target_``), else ``name`` itself."""
+    if name in POLICY_LABELS:
+        return POLICY_LABELS[name]
+    if target:
+        try:
+            declared = getattr(import_class(target), "display_name", None)
+        except Exception:  # noqa: BLE001 - any import problem just means "no declared name"
+            declared = None
+        if declared:
+            return str(declared)
+    return name
+
+
 _DEFAULTS_CACHE: dict[str, dict] = {}
 
 
@@ -195,7 +210,7 @@ def label_policies(runs: pd.DataFrame) -> pd.DataFrame:
         ]
         base = run["policy_name"]
         labels.append(base + ("[" + ",".join(f"{k}={fmt_value(v)}" for k, v in shown) + "]" if shown else ""))
-        display = POLICY_LABELS.get(base, base)
+        display = policy_display_name(base, run["policy_target"])
         methods.append(display + (" (" + ", ".join(f"{k}={fmt_value(v)}" for k, v in shown) + ")" if shown else ""))
         shorts.append(display + "".join(f" {PARAM_ABBREVIATIONS.get(k, k)}={fmt_value(v)}" for k, v in shown))
     runs["policy"] = labels

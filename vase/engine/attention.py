@@ -291,6 +291,9 @@ def vase_attention_forward(
     Returns:
         ``((B, T, Hq, D), None)`` as transformers expects; attention weights are never materialised.
     """
+    on_query = kwargs.get("vase_on_query")
+    if on_query is not None:  # a reader of the post-RoPE queries (e.g. a policy's calibration pass)
+        on_query(module.layer_idx, query)
     cache = kwargs.get("vase_cache")
     if cache is None:  # an ordinary cache (or none): behave exactly like SDPA
         return sdpa_attention_forward(

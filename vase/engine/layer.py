@@ -42,6 +42,7 @@ class VaseLayer(CacheLayerMixin):
         self.owner = owner
         self.positions: torch.Tensor | None = None
         self.queries: torch.Tensor | None = None
+        self.last_call_pos: torch.Tensor | None = None  # (rows,) int64: each row's position at its last eviction call
         self.store: dict[str, torch.Tensor] = {}
         self.state_keys: list[frozenset] = [frozenset()] * owner.geometry.rows
         self.counters = LayerCounters()
@@ -60,6 +61,7 @@ class VaseLayer(CacheLayerMixin):
             self.queries = torch.zeros(
                 (g.rows, g.num_q_heads, w, g.head_dim), dtype=key_states.dtype, device=key_states.device
             )
+            self.last_call_pos = torch.full((g.rows,), _NEVER, dtype=torch.long, device=key_states.device)
         self.device = key_states.device
         self.is_initialized = True
 
@@ -264,6 +266,10 @@ class VaseLayer(CacheLayerMixin):
             keys, values = self.keys.index_select(0, idx), self.values.index_select(0, idx)
             positions = self.positions.index_select(0, idx)
         queries = None if self.queries is None else self.queries[idx]
+        query_positions = n_new = None
+        if queries is not None:  # positions of the ring's slots and the queries new since the last call (no sync)
+            query_positions, n_new = _ring_positions(owner.pos_t[idx], self.last_call_pos[idx], window)
+            self.last_call_pos[idx] = owner.pos_t[idx]
         state = self._state_for(slots, idx)
         cand = slice(pinned, pinned + n_cand)
         inputs = EvictionInputs(
@@ -279,6 +285,9 @@ class VaseLayer(CacheLayerMixin):
             queries=queries,
             score_dtype=owner.score_dtype,
             window_keys=keys[:, :, length - window : length],
+            window_positions=positions[:, :, length - window : length],
+            query_positions=query_positions,
+            n_new_queries=n_new,
         )
         keep = policy.keep(inputs)
         if owner.check_policy_output:
@@ -323,6 +332,7 @@ class VaseLayer(CacheLayerMixin):
         self.positions[dst, :, :length] = self.positions[src, :, :length]
         if self.queries is not None:
             self.queries[dst] = self.queries[src]
+            self.last_call_pos[dst] = self.last_call_pos[src]
         for k in self.state_keys[src]:
             self.store[k][dst] = self.store[k][src]
         self.state_keys[dst] = self.state_keys[src]
@@ -331,11 +341,34 @@ class VaseLayer(CacheLayerMixin):
     def clear_row(self, slot: int, scrub: bool = False) -> None:
         """Forget row ``slot``'s policy state; with ``scrub``, also zero its storage (after a numerical failure)."""
         self.state_keys[slot] = frozenset()
+        if self.last_call_pos is not None:
+            self.last_call_pos[slot] = _NEVER
         if scrub and self.is_initialized:
             self.keys[slot].zero_()
             self.values[slot].zero_()
             if self.queries is not None:
                 self.queries[slot].zero_()
+
+
+#: ``last_call_pos`` of a row that has not been evicted on this layer yet (every ring query is then new)
+_NEVER = -(2**62)
+
+
+def _ring_positions(pos: torch.Tensor, last: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring's query positions and the number of new queries, from each row's next position.
+
+    Args:
+        pos: ``(B,)`` int64 next position of each row (its sequence length; the newest query is at ``pos - 1``).
+        last: ``(B,)`` int64 ``pos`` at the row's previous call on this layer (:data:`_NEVER` before the first).
+        window: the ring's size.
+
+    Returns:
+        ``(B, window)`` int64: slot ``s`` holds the query of the newest position ``p < pos`` with ``p % window == s``;
+        ``(B,)`` int64: ``min(pos - last, window)``.
+    """
+    newest = (pos - 1)[:, None]
+    slots = torch.arange(window, device=pos.device)
+    return newest - (newest - slots) % window, (pos - last).clamp(max=window)
 
 
 def _flat_index(idx: torch.Tensor, capacity: int) -> torch.Tensor:

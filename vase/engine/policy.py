@@ -72,7 +72,17 @@ class EvictionInputs:
             ``dtype=`` to every :mod:`vase.engine.scores` function. float32 by default; bfloat16 rounds as the
             authors' code (docs/protocol.md).
         window_keys: ``(B, H, window, D)`` post-RoPE keys of the recent window (never evicted; for scores that compare
-            the candidates with every held key, as the original R-KV's redundancy), or ``None``.
+            the candidates with every held key, as the original R-KV's redundancy), or ``None``. The engine always
+            passes them.
+        window_positions: ``(B, H, window)`` int64 absolute positions of ``window_keys`` (oldest first), or ``None``.
+            The engine always passes them.
+        query_positions: ``(B, Wq)`` int64 absolute position of each query of the ring, slot by slot (the query of
+            position ``p`` sits in slot ``p % window``, so the slots are not in position order), when ``queries`` is
+            given. The ring is full at every eviction (a row holds more than ``window`` tokens then).
+        n_new_queries: ``(B,)`` int64: how many of the ring's queries are new since this row's previous call on this
+            layer (its ``n`` newest positions): ``min(E, window)`` between scheduled evictions, the whole ring at a
+            row's first call. An accumulating policy (H2O) counts only these, so no query is counted twice when
+            ``evict_every < window``. Given with ``queries``.
         generators: for inputs built by hand (tests): seeded ``torch.Generator`` s, one per row, whose seeds
             (``initial_seed()``) key ``rng`` at position 0 when ``rng`` is not given. The engine passes ``rng``.
     """
@@ -89,6 +99,9 @@ class EvictionInputs:
     score_dtype: torch.dtype = torch.float32
     window_keys: torch.Tensor | None = None
     generators: list[torch.Generator] | None = None
+    window_positions: torch.Tensor | None = None
+    query_positions: torch.Tensor | None = None
+    n_new_queries: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.rng is None:
@@ -102,6 +115,13 @@ class EvictionInputs:
     def shape(self) -> tuple[int, int, int, int]:
         """``(B, H, N, D)``."""
         return tuple(self.keys.shape)  # type: ignore[return-value]
+
+    def new_queries(self) -> torch.Tensor:
+        """``(B, Wq)`` bool: the ring's queries that are new since the row's previous call (see ``n_new_queries``)."""
+        if self.query_positions is None or self.n_new_queries is None:
+            raise ValueError("EvictionInputs.new_queries: needs query_positions and n_new_queries (needs_queries=True)")
+        newest = self.query_positions.amax(dim=-1, keepdim=True)
+        return self.query_positions > newest - self.n_new_queries[:, None]
 
     def rand(self, *shape: int) -> torch.Tensor:
         """Uniform float32 noise in ``(0, 1)`` of shape ``(B, *shape)``: one batched draw, row ``b`` from its own stream
@@ -163,6 +183,8 @@ class Policy:
     window: int = 64
 
     name: ClassVar[str] = "policy"
+    #: how tables and figures name the policy (``None``: the analysis's own label, else ``name``)
+    display_name: ClassVar[str | None] = None
     kind: ClassVar[str] = "none"  # "none" | "eviction" | "selection"
     needs_queries: ClassVar[bool] = False
 
@@ -196,6 +218,20 @@ class Policy:
         A policy that depends on the model checks it here (one-line ``ValueError`` naming the setting and the fix) and
         loads what it needs (SeerAttention-R: its gate checkpoint). Must be idempotent (one decoder per batch plan).
         """
+
+    def calibration_input(self):
+        """A plain-text file (``pathlib.Path``) the runner tokenises and hands to :meth:`calibrate` before decoding,
+        or ``None`` (default: the policy needs no calibration pass)."""
+        return None
+
+    def calibrate(self, model, input_ids: torch.Tensor) -> dict:
+        """Calibrate on the model (``input_ids`` ``(T,)``: the tokenised :meth:`calibration_input`); return what
+        :meth:`load_calibration` takes (tensors and numbers; the runner saves it as ``calibration.pt``)."""
+        raise NotImplementedError(f"policy {self.name} has no calibration")
+
+    def load_calibration(self, record: dict, device=None) -> None:
+        """Use a saved calibration (a resumed run reloads ``calibration.pt`` instead of calibrating again)."""
+        raise NotImplementedError(f"policy {self.name} has no calibration")
 
     @property
     def n_keep(self) -> int:

@@ -214,6 +214,7 @@ def _check_generation(cfg: DictConfig) -> None:
     _integer(cfg, f"{g}.top_k", 0, fix=f"0 = off; e.g. {g}.top_k=20")
     _boolean(cfg, f"{g}.greedy")
     _boolean(cfg, f"{g}.stop_on_loop")
+    _boolean(cfg, f"{g}.check_policy_output")
     _integer(
         cfg,
         f"{g}.max_length",

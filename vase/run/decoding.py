@@ -11,9 +11,13 @@ the decoded ones.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from vase.engine import Decoder, Request, model_geometry
 from vase.engine.cache import cache_capacity
@@ -24,6 +28,9 @@ from vase.run.records import NOT_DECODED, ThroughputLog, manifest, rank_entry, r
 from vase.run.results import THROUGHPUT, part_path, write_json
 
 logger = logging.getLogger(__name__)
+
+#: a calibrated policy's record (e.g. TriAttention's Q centres) in the run directory
+CALIBRATION = "calibration.pt"
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -49,6 +56,41 @@ def loop_stop(tokenizer):
         return has_loop(tokenizer.decode(tokens[-tail_tokens:], skip_special_tokens=True))
 
     return stop
+
+
+def calibrate_policy(policy, model, tokenizer, run_dir: Path, write: bool = True) -> dict | None:
+    """Run the policy's calibration pass (TriAttention's Q centres) before decoding; ``None`` if it has none.
+
+    The centres go to ``<run_dir>/calibration.pt`` (never overwritten: a resumed run reloads them, so its samples use
+    the same centres); returns the manifest's record: the text, its sha256, the tokens used and the file.
+    """
+    text_path = policy.calibration_input()
+    if text_path is None:
+        return None
+    text_path = Path(text_path)
+    raw = text_path.read_bytes()
+    out = run_dir / CALIBRATION
+    device = next(model.parameters()).device
+    if out.exists():
+        record = torch.load(out, map_location="cpu", weights_only=True)
+        policy.load_calibration(record, device=device)
+        logger.info("policy %s: calibration reloaded from %s", policy.name, out)
+    else:
+        ids = torch.tensor(tokenizer(raw.decode("utf-8"), add_special_tokens=False)["input_ids"], dtype=torch.long)
+        t0 = time.perf_counter()
+        record = policy.calibrate(model, ids)
+        logger.info("policy %s: calibrated in %.1f s", policy.name, time.perf_counter() - t0)
+        if write:  # written whole, then renamed: another rank never reads a torn file
+            tmp = out.with_name(out.name + ".tmp")
+            torch.save(record, tmp)
+            tmp.replace(out)
+    return {
+        "text": str(text_path),
+        "text_sha256": hashlib.sha256(raw).hexdigest(),
+        "tokens": int(record.get("tokens", 0)),
+        "file": CALIBRATION,
+        "file_sha256": hashlib.sha256(out.read_bytes()).hexdigest() if out.exists() else None,
+    }
 
 
 def decode(
@@ -78,6 +120,7 @@ def decode(
     model, tokenizer = spec.load()
     logger.info("model %s loaded in %.1f s (%s, %s)", spec.name, time.perf_counter() - t_load, spec.dtype, dtype_reason)
     stop = eos_ids(model, tokenizer)
+    calibration = calibrate_policy(policy, model, tokenizer, run_dir, write=rank in (None, 0))
     limits = {w.problem.id: prep.max_length - len(w.ids) for w in work}
     fits = [w for w in work if limits[w.problem.id] >= 1]
     if prep.batching == "per_problem":
@@ -127,11 +170,14 @@ def decode(
             stop_when=loop_stop(tokenizer) if cfg.generation.get("stop_on_loop", False) else None,
             attn_backend=cfg.generation.attn_backend,
             sync_every=cfg.generation.sync_every,
+            check_policy_output=bool(cfg.generation.get("check_policy_output", False)),
             on_cache=None if recorder is None else recorder.attach,
             score_dtype=prep.score_dtype,
         )
         if not session:
             session = manifest(prep, model, tokenizer, spec, dtype_reason, dec, plan, stop)
+            if calibration is not None:
+                session["calibration"] = calibration
             session.update(grading=grader.describe(), ranks=[rank_entry(rank, dec, model, plan, total, grader.mode)])
             if rank in (None, 0):
                 write_json(run_dir / "manifest.json", session)
