@@ -46,7 +46,11 @@ SAMPLE_EFFICIENCY = (
     "kv_full_bytes_max",
     "held_tokens",
     "attended_tokens",
+    "kv_retained_bytes_mean",
+    "kv_retained_bytes_peak",
 )
+# Cost per solved sample (generated tokens of every sample, and decode seconds, per correct sample).
+COST_COLUMNS = ("correct_samples", "tokens_per_correct", "decode_seconds_per_correct")
 # Wall-clock columns of the summary (from throughput.jsonl, else metrics.json).
 THROUGHPUT_METRICS = (
     "decode_tokens_per_second",
@@ -122,7 +126,28 @@ def _group_metrics_from_samples(s: pd.DataFrame) -> dict:
     out["kv_full_bytes_max"] = float(full.max()) if len(full) else float("nan")
     out["held_tokens"] = _mean(_num(decoded, "held_tokens_mean"))
     out["attended_tokens"] = _mean(_num(s, "attended_tokens"))
+    mean_b, peak_b = retained_bytes(decoded)
+    out["kv_retained_bytes_mean"] = _mean(mean_b)
+    out["kv_retained_bytes_peak"] = float(peak_b.max()) if peak_b.notna().any() else float("nan")
+    out["correct_samples"] = int(s["correct"].astype(bool).sum())
+    out["tokens_per_correct"] = _per(float(_num(s, "output_tokens").sum()), out["correct_samples"])
     return out
+
+
+def _per(total: float, count: int) -> float:
+    return total / count if count and not math.isnan(total) else float("nan")
+
+
+def retained_bytes(s: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """Per sample: the mean and the peak K/V bytes its cache retained (over every layer and KV head).
+
+    From ``kv_retained_bytes_mean`` / ``_peak`` where the run recorded them; a run written before them gets the mean
+    from ``held_tokens_mean`` x bytes per token (``kv_full_bytes_end / (prompt + output tokens)``), the peak NaN.
+    """
+    mean, peak = _num(s, "kv_retained_bytes_mean"), _num(s, "kv_retained_bytes_peak")
+    total = _num(s, "prompt_tokens") + _num(s, "output_tokens")
+    per_token = _num(s, "kv_full_bytes_end") / total.where(total > 0)
+    return mean.fillna(_num(s, "held_tokens_mean") * per_token), peak
 
 
 def _json_values(ms: list[dict], key: str) -> list[float]:
@@ -171,8 +196,13 @@ def _group_metrics_from_json(ms: list[dict]) -> dict:
     for key in ("evictions", "eviction_seconds"):
         vals = _json_values(ms, key)
         out[key] = float(sum(vals)) if vals else float("nan")
-    for key in ("kv_held_bytes_mean", "kv_full_bytes_mean", "held_tokens", "attended_tokens"):
+    for key in ("kv_held_bytes_mean", "kv_full_bytes_mean", "held_tokens", "attended_tokens", "kv_retained_bytes_mean"):
         out[key] = _wmean(ms, key)
+    peaks = _json_values(ms, "kv_retained_bytes_peak")
+    out["kv_retained_bytes_peak"] = max(peaks) if peaks else float("nan")
+    out["correct_samples"] = int(sum(_json_values(ms, "correct_samples")))
+    tokens = sum(float(m.get("mean_output_tokens") or 0) * float(m.get("samples") or 0) for m in ms)
+    out["tokens_per_correct"] = _per(tokens, out["correct_samples"])
     full = _json_values(ms, "kv_full_bytes_max")
     out["kv_full_bytes_max"] = max(full) if full else float("nan")
     return out
@@ -280,6 +310,7 @@ def summarize(tree: Tree) -> pd.DataFrame:
             "short": first["short"],
             "policy_name": first["policy_name"],
             "policy_kind": first["policy_kind"],
+            "policy_target": first["policy_target"],
             "params": first["params"],
             "budget": float(budgets[0]) if len(budgets) == 1 and first["op_kind"] != "full" else float("nan"),
             "budgets": ",".join(map(str, budgets)),
@@ -291,6 +322,7 @@ def summarize(tree: Tree) -> pd.DataFrame:
             **_group_throughput(tree.throughput[tree.throughput["run_id"].isin(ids)], saved),
             "run_dirs": ";".join(grp["run_dir"]),
         }
+        row["decode_seconds_per_correct"] = _per(row["decode_seconds"], row["correct_samples"])
         rows.append(row)
     out = pd.DataFrame(rows)
     order = sorted(

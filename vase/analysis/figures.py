@@ -6,29 +6,30 @@ with the reason (e.g. "one budget only", "no kept_sets recorded").
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import textwrap
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
 from vase.analysis.aggregate import at_op, operating_points, present_classes
+from vase.analysis.cost_figures import figure_ablation_grid, figure_matched_memory, figure_throughput_memory
+from vase.analysis.figure_base import (  # noqa: F401 - re-exported: figures' public helpers live here too
+    _PALETTE,
+    COLUMN_WIDTH,
+    PAPER_RC,
+    FigureResult,
+    _wrap,
+    new_figure,
+    policy_color,
+    save_figure,
+)
 from vase.analysis.labels import (
     LOOP_COLORS,
-    MISSING,
     PILOT_ORDER,
-    POLICY_LABELS,
-    POLICY_ORDER,
     TASK_LABELS,
-    fmt_value,
     natural_key,
-    op_sort_key,
     policy_sort_key,
     slug,
     task_sort_key,
@@ -37,69 +38,6 @@ from vase.analysis.load import Tree
 from vase.analysis.paper import GSM8K_PILOT
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class FigureResult:
-    """Figures made, and the ones skipped with the reason."""
-
-    figures: dict[str, Figure] = field(default_factory=dict)
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-
-    def skip(self, name: str, reason: str) -> None:
-        logger.info("figure %s skipped: %s", name, reason)
-        self.skipped.append((name, reason))
-
-
-_PALETTE = [
-    "#7f7f7f",
-    "#1f77b4",
-    "#ff7f0e",
-    "#2ca02c",
-    "#d62728",
-    "#9467bd",
-    "#8c564b",
-    "#e377c2",
-    "#bcbd22",
-    "#17becf",
-    "#aec7e8",
-    "#ffbb78",
-    "#98df8a",
-    "#ff9896",
-    "#c5b0d5",
-    "#c49c94",
-]
-
-
-def _wrap(labels: Iterable[str], width: int = 26) -> list[str]:
-    """Tick labels wrapped at ``width`` characters (long ablation names)."""
-    return [textwrap.fill(str(t), width) for t in labels]
-
-
-def policy_color(policy: str, index: int = 0) -> str:
-    """A stable colour per policy name (the variants of one policy get shades via ``index``)."""
-    base = policy.split("[", 1)[0]
-    i = POLICY_ORDER.index(base) if base in POLICY_ORDER else len(POLICY_ORDER) + abs(hash(base)) % 4
-    return _PALETTE[(i + 5 * index) % len(_PALETTE)]
-
-
-def new_figure(width: float = 6.0, height: float = 4.0) -> Figure:
-    """A pyplot-free figure (renders headless with Agg; no global state)."""
-    return Figure(figsize=(width, height), layout="constrained")
-
-
-def save_figure(
-    fig: Figure, out_dir: str | Path, name: str, formats: Sequence[str] = ("png", "pdf"), dpi: int = 130
-) -> list[Path]:
-    """Save ``fig`` as ``<out_dir>/<name>.<fmt>`` for each format; return the paths."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for fmt in formats:
-        path = out_dir / f"{name}.{fmt}"
-        fig.savefig(path, dpi=dpi, format=fmt)
-        paths.append(path)
-    return paths
 
 
 def _grid(n: int, width: float = 4.2, height: float = 3.4, max_cols: int = 3) -> tuple[Figure, list]:
@@ -223,121 +161,6 @@ def figure_output_lengths(tree: Tree, summary: pd.DataFrame, res: FigureResult) 
             res.figures[name] = fig
 
 
-# (summary column, scale, panel title) of the throughput / memory figure, one panel each
-_EFFICIENCY_PANELS = (
-    ("decode_tokens_per_second", 1.0, "decode tokens / s"),
-    ("rows_in_flight", 1.0, "rows in flight (bar: max, tick: mean per step)"),
-    ("kv_allocated_bytes", 2.0**-20, "allocated KV, static (MiB)"),
-    ("kv_held_bytes_mean", 2.0**-20, "KV per sample (MiB): held (filled), full cache (outline)"),
-    ("peak_memory_bytes", 2.0**-30, "peak memory (GiB)"),
-    ("compression_ratio", 1.0, "compression (full / held tokens, ×)"),
-)
-
-
-def _entry_values(ts: pd.DataFrame, entries: list[tuple[str, str]], col: str, scale: float) -> np.ndarray:
-    """``ts[col] * scale`` at each ``(policy, op)`` of ``entries`` (``ts`` indexed by them; NaN where absent)."""
-    return np.array([float(ts.loc[e, col]) * scale if e in ts.index and col in ts else np.nan for e in entries])
-
-
-def figure_throughput_memory(summary: pd.DataFrame, res: FigureResult) -> None:
-    """Per model: one bar per (policy, operating point) and task in each of six panels — decode throughput, rows in
-    flight (max, and the mean per decode step as a tick), the static KV allocation, the KV held per sample against
-    what a full cache would hold, peak memory and compression."""
-    cols = [c for c, _, _ in _EFFICIENCY_PANELS] + ["kv_full_bytes_mean", "rows_in_flight_mean"]
-    for model in sorted(summary["model"].unique()):
-        name = f"throughput_memory_{slug(model)}"
-        sub = summary[summary["model"] == model]
-        measured = sub[[c for c in cols if c in sub and c != "compression_ratio"]].apply(pd.to_numeric, errors="coerce")
-        if not np.isfinite(measured.to_numpy(dtype=float)).any():
-            res.skip(name, f"{model}: no throughput.jsonl and no per-sample KV bytes")
-            continue
-        several = sub.loc[sub["op_kind"] != "full", "op"].nunique() > 1
-        order = {
-            (p, op): op_sort_key(k, v) for p, op, k, v in zip(sub["policy"], sub["op"], sub["op_kind"], sub["op_value"])
-        }
-        entries = sorted(order, key=lambda e: (policy_sort_key(e[0]), order[e]))
-        labels = []
-        for p, op in entries:
-            short = sub.loc[(sub["policy"] == p) & (sub["op"] == op), "short"].iloc[0]
-            labels.append(short + (f" ({op})" if several and op != "full" else ""))
-        tasks = sorted(sub["task"].unique(), key=task_sort_key)
-        width = 0.8 / len(tasks)
-        fig, axes = _grid(len(_EFFICIENCY_PANELS), max(4.6, 0.55 * len(entries) * max(1, len(tasks) ** 0.5)), 3.6)
-        x = np.arange(len(entries))
-        for k, task in enumerate(tasks):
-            ts = sub[sub["task"] == task].set_index(["policy", "op"])
-            color = _PALETTE[(k + 1) % len(_PALETTE)]
-            xs = x + (k - (len(tasks) - 1) / 2) * width
-            for ax, (col, scale, _) in zip(axes, _EFFICIENCY_PANELS):
-                if col == "kv_held_bytes_mean":
-                    full = _entry_values(ts, entries, "kv_full_bytes_mean", scale)
-                    ax.bar(xs, full, width=width, fill=False, edgecolor=color, linewidth=1.2)
-                ax.bar(
-                    xs,
-                    _entry_values(ts, entries, col, scale),
-                    width=width,
-                    color=color,
-                    label=TASK_LABELS.get(task, task),
-                )
-                if col == "rows_in_flight":
-                    mean = _entry_values(ts, entries, "rows_in_flight_mean", 1.0)
-                    ax.scatter(xs, mean, marker="_", s=120, color="black", zorder=3)
-        for ax, (_, _, title) in zip(axes, _EFFICIENCY_PANELS):
-            ax.set_title(title, fontsize=9)
-            ax.set_xticks(x, _wrap(labels), rotation=45, ha="right", rotation_mode="anchor", fontsize=7)
-            ax.grid(axis="y", alpha=0.3)
-        handles, names = axes[0].get_legend_handles_labels()
-        fig.legend(handles, names, loc="outside right upper", fontsize=8, title="task")
-        fig.suptitle(f"Throughput and memory per policy — {model}")
-        res.figures[name] = fig
-
-
-def figure_ablation_heatmap(
-    summary: pd.DataFrame, res: FigureResult, row_param: str = "n_protect", col_param: str = "attn_temperature"
-) -> None:
-    """Per (model, task, policy name, operating point) where both parameters vary: accuracy heatmap."""
-    for (model, task, name_, op), sub in summary.groupby(["model", "task", "policy_name", "op"]):
-        params = [json.loads(p) for p in sub["params"]]
-        if not all(row_param in p and col_param in p for p in params):
-            continue
-        rows = sorted({json.dumps(p[row_param]) for p in params}, key=_num_key)
-        cols = sorted({json.dumps(p[col_param]) for p in params}, key=_num_key)
-        name = f"ablation_{slug(model)}_{slug(task)}_{slug(name_)}_{slug(op)}"
-        if len(rows) < 2 or len(cols) < 2:
-            if len(rows) > 1 or len(cols) > 1:
-                res.skip(name, f"needs >= 2 values of both {row_param} and {col_param}")
-            continue
-        grid = np.full((len(rows), len(cols)), np.nan)
-        for p, acc in zip(params, sub["accuracy"]):
-            grid[rows.index(json.dumps(p[row_param])), cols.index(json.dumps(p[col_param]))] = acc
-        fig = new_figure(1.3 * len(cols) + 2.5, 0.8 * len(rows) + 1.8)
-        ax = fig.add_subplot()
-        im = ax.imshow(grid, cmap="viridis", aspect="auto")
-        mid = np.nanmean(grid) if np.isfinite(grid).any() else 0.0
-        for i in range(len(rows)):
-            for j in range(len(cols)):
-                txt = MISSING if np.isnan(grid[i, j]) else f"{grid[i, j]:.1f}"
-                color = "black" if np.isfinite(grid[i, j]) and grid[i, j] > mid else "white"
-                ax.text(j, i, txt, ha="center", va="center", color=color, fontsize=9)
-        ax.set_xticks(range(len(cols)), [_param_text(c) for c in cols])
-        ax.set_yticks(range(len(rows)), [_param_text(r) for r in rows])
-        ax.set_xlabel(col_param)
-        ax.set_ylabel(row_param)
-        fig.colorbar(im, ax=ax, label="pass@1 (%)")
-        ax.set_title(f"{POLICY_LABELS.get(name_, name_)} — {TASK_LABELS.get(task, task)}, {model}")
-        res.figures[name] = fig
-
-
-def _num_key(s: str) -> tuple[int, float, str]:
-    v = json.loads(s)
-    return (0, float(v), s) if isinstance(v, (int, float)) else (1, 0.0, s)
-
-
-def _param_text(s: str) -> str:
-    v = json.loads(s)
-    return "default" if v is None else fmt_value(v)
-
-
 def figure_policy_bars(summary: pd.DataFrame, res: FigureResult) -> None:
     """Per (model, task, operating point) with several policies: accuracy bars in the GSM8K pilot's order
     (full, random, evict_large_value, snapkv and its variants, VaSE-AttnV, CurDKV variants); ``gsm8k_pilot_*`` on
@@ -415,8 +238,9 @@ def paper_figures(tree: Tree, summary: pd.DataFrame, diversity: pd.DataFrame | N
     figure_accuracy_vs_budget(summary, res)
     figure_failure_modes(summary, res)
     figure_output_lengths(tree, summary, res)
-    figure_throughput_memory(summary, res)
-    figure_ablation_heatmap(summary, res)
+    figure_throughput_memory(tree, summary, res)
+    figure_ablation_grid(summary, res)
+    figure_matched_memory(summary, res)
     figure_policy_bars(summary, res)
     if diversity is not None and not diversity.empty:
         figure_diversity(diversity, res)

@@ -4,6 +4,8 @@ Pipeline (what ``scripts/report.py`` runs)::
 
     tree = load_tree("results/")            # load: one row per run, every sample, every throughput.jsonl line
     summary = summarize(tree)               # aggregate: one row per (model, task, policy, operating point)
+    summary = cell_statistics(tree, summary)  # comparisons: 95 % bootstrap CI by problem, spread between seeds
+    pairs = paired_comparisons(tree, summary) # paired differences (same problem, seed, sample), Holm over the grid
     tables = paper_tables(summary)          # tables: accuracy (± SE, five-task avg), failures, efficiency, summary
     figures = paper_figures(tree, summary)  # figures: accuracy vs budget, failure modes, lengths, throughput, ...
     log_to_wandb(tables, figure_paths, summary, group=...)  # wandb_summary: the summary run
@@ -19,7 +21,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from vase.analysis.aggregate import summarize
+from vase.analysis.aggregate import operating_points, summarize
+from vase.analysis.comparisons import (
+    cell_samples,
+    cell_statistics,
+    paired_comparisons,
+    paired_table,
+    statistics_table,
+)
 from vase.analysis.diversity import diversity_table
 from vase.analysis.figures import paper_figures, save_figure
 from vase.analysis.load import Tree, load_tree
@@ -70,9 +79,12 @@ def build_report(
         if stale:
             logger.info("removed %d old files from %s", len(stale), out / sub)
     summary = summarize(tree)
+    cells = cell_samples(tree)
+    summary = cell_statistics(tree, summary, cells=cells)  # 95 % bootstrap CIs by problem, the spread between seeds
     summary.attrs["root"] = str(Path(results_dir).resolve())
+    pairs = paired_comparisons(tree, summary, cells=cells)  # paired differences, Holm over the whole grid
     diversity = diversity_table(tree)
-    tables = paper_tables(summary, diversity)
+    tables = paper_tables(summary, diversity) + statistics_tables(summary, pairs)
     table_paths = [p for t in tables for p in write_table(t, out / "tables")]
     figs = paper_figures(tree, summary, diversity)
     figure_paths = []
@@ -100,6 +112,17 @@ def build_report(
         "report: %d tables, %d figure files, %d skipped -> %s", len(tables), len(figure_paths), len(skipped), out
     )
     return report
+
+
+def statistics_tables(summary: pd.DataFrame, pairs: pd.DataFrame) -> list[Table]:
+    """Per model and operating point the CI / seed table; per model the paired comparisons (when any pair shares
+    samples)."""
+    out = []
+    for model in sorted(summary["model"].unique()):
+        out += [statistics_table(summary, model, op) for op in operating_points(summary, model)]
+        if not pairs.empty and (pairs["model"] == model).any():
+            out.append(paired_table(pairs, model))
+    return out
 
 
 def _write_index(

@@ -94,8 +94,10 @@ class Finished:
         prompt_len: prompt tokens.
         stats: ``decode_steps`` (forwards the row took part in), ``evictions`` (eviction events summed over layers),
             ``eviction_seconds`` (its share), ``held_tokens`` (mean tokens held per layer and KV head over its
-            decode steps), ``attended_tokens`` (selection policies: mean tokens attended per step, query head and
-            layer), ``first_step`` / ``last_step`` (the decoder's step counter when it entered and ended).
+            decode steps), ``held_tokens_max`` (the most it held after a decode step's append; read from the cache's
+            host-side lengths, no device sync), ``attended_tokens`` (selection policies: mean tokens attended per
+            step, query head and layer), ``first_step`` / ``last_step`` (the decoder's step counter when it entered
+            and ended).
     """
 
     key: Any
@@ -158,6 +160,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     produced: int = 0  # tokens sampled so far (the pending ones included)
     held_sum: int = 0
+    held_max: int = 0  # the most tokens held (per layer and KV head) after any of its decode steps' appends
     steps: int = 0
 
 
@@ -315,6 +318,7 @@ class Decoder:
                 for s, seed in zip(samples, seeds):
                     self.stats.samples += 1
                     stats = {**EMPTY_STATS, "held_tokens": float(prompt.numel()), "first_step": self.step}
+                    stats["held_tokens_max"] = prompt.numel()
                     stats["last_step"] = self.step
                     yield Finished(req.key, s, seed, [], "prompt_too_long", prompt.numel(), stats)
                 continue
@@ -398,6 +402,7 @@ class Decoder:
             at_limit = False
             for r, row in enumerate(rows):
                 row.held_sum += held[r]
+                row.held_max = max(row.held_max, held[r])
                 row.steps += 1
                 row.produced += 1
                 at_limit |= row.produced >= row.limit
@@ -476,6 +481,7 @@ class Decoder:
             "evictions": st["evictions"],
             "eviction_seconds": st["eviction_seconds"],
             "held_tokens": row.held_sum / row.steps if row.steps else float(row.prompt_len),
+            "held_tokens_max": row.held_max if row.steps else row.prompt_len,
             "attended_tokens": attended,
             "first_step": row.first_step,
             "last_step": self.step,
