@@ -106,12 +106,25 @@ def build_report(
             entity=entity,
         )
     manifest = {"group": group, "project": project, "entity": entity, "wandb_run_id": report.wandb_run_id}
+    manifest["cell_keys"] = cell_config_keys(summary)
     manifest |= logged_keys(tables, figure_paths, summary)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     logger.info(
         "report: %d tables, %d figure files, %d skipped -> %s", len(tables), len(figure_paths), len(skipped), out
     )
     return report
+
+
+def cell_config_keys(summary: pd.DataFrame) -> list[str]:
+    """The run config keys of the hyper-parameters in the summary's policy identities (``vase_attnv[n_protect=16]``:
+    ``policy.n_protect``; the preset: ``protocol.name``), in first-seen order: what tells the cells apart on W&B."""
+    keys: dict[str, None] = {}
+    for label in summary["policy"]:
+        inner = str(label).partition("[")[2].rstrip("]")
+        for part in filter(None, inner.split(",")):
+            k = part.split("=", 1)[0]
+            keys["protocol.name" if k == "protocol" else f"policy.{k}"] = None
+    return list(keys)
 
 
 def statistics_tables(summary: pd.DataFrame, pairs: pd.DataFrame) -> list[Table]:
