@@ -59,8 +59,9 @@ TARGETS = {
     "curdkv": "baselines.curdkv.CurDKV",
     "vase_dkv": "vase.policies.dkv.VaSEDKV",
     "evict_large_value": "baselines.evict_large_value.EvictLargeValue",
+    "quest": "baselines.quest.Quest",
 }
-KINDS = {"full": "none"}
+KINDS = {"full": "none", "quest": "selection"}
 
 
 BYTES_PER_TOKEN = 100  # K/V bytes of one token over every layer in the synthetic runs
@@ -778,9 +779,9 @@ def test_throughput_memory_figure_draws_the_summary(tree_dir: Path):
     figure_throughput_memory(tree, s, res)
     fig = res.figures["throughput_memory_m"]
     axes = [a for a in fig.axes if a.get_visible()]
-    assert [a.get_xlabel().split(" (")[0].split(",")[0] for a in axes] == [
+    assert [a.get_xlabel().split("\n")[0].split(" (")[0].split(",")[0] for a in axes] == [
         "decode tokens/s",
-        "KV/sample",
+        "KV per sample",
         "allocated KV",
         "peak memory",
     ]

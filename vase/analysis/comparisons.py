@@ -23,7 +23,7 @@ import pandas as pd
 from vase.analysis.aggregate import at_op
 from vase.analysis.labels import MISSING, TASK_LABELS, policy_sort_key, slug
 from vase.analysis.load import Tree
-from vase.analysis.stats import accuracy_ci, fmt_p, holm, paired_difference, seed_spread
+from vase.analysis.stats import PAIR_KEYS, accuracy_ci, fmt_p, holm, match_samples, paired_difference, seed_spread
 from vase.analysis.tables import Table, _fmt
 
 logger = logging.getLogger(__name__)
@@ -207,3 +207,56 @@ def paired_table(pairs: pd.DataFrame, model: str, alpha: float = 0.05) -> Table:
 
 def _ci(lo: float, hi: float) -> str:
     return MISSING if pd.isna(lo) or pd.isna(hi) else f"[{lo:.1f}, {hi:.1f}]"
+
+
+def _select(tree: Tree, which: int | str | dict) -> set[int]:
+    """Run ids of ``which``: a run id, a policy identity (``"vase_attnv[n_protect=16]"``) or ``{column: value}``
+    filters over :attr:`Tree.runs` (``{"policy": "snapkv", "op": "B=64", "task": "math500"}``)."""
+    runs = tree.runs
+    if isinstance(which, (int, np.integer)):
+        mask = runs["run_id"] == which
+    elif isinstance(which, str):
+        mask = runs["policy"] == which
+    else:
+        mask = np.ones(len(runs), dtype=bool)
+        for col, value in which.items():
+            if col not in runs:
+                raise ValueError(f"compare_runs: no column {col!r} in tree.runs; choose from {sorted(runs.columns)}")
+            mask &= runs[col] == value
+    ids = set(runs.loc[mask, "run_id"])
+    if not ids:
+        raise ValueError(f"compare_runs: no run matches {which!r}")
+    return ids
+
+
+def compare_runs(tree: Tree, a: int | str | dict, b: int | str | dict) -> pd.DataFrame:
+    """Two runs (or cells) side by side, sample by sample: the same problem, seed and sample index.
+
+    ``a`` / ``b``: a run id, a policy identity, or ``{column: value}`` filters over ``tree.runs`` (several matching
+    runs are pooled, e.g. a cell's seeds). One row per shared sample: ``problem_id``, ``seed``, ``sample`` and each
+    side's columns suffixed ``_a`` / ``_b`` (``correct``, ``loop_class``, ``output_tokens``, ..., and ``output``
+    when the tree was loaded with ``with_output=True``), plus ``task_a``/``task_b`` and ``changed`` (the verdicts
+    differ). For example, the samples the full cache solved and a policy lost, with their texts::
+
+        tree = load_tree("results/", with_output=True)
+        d = compare_runs(tree, "full", {"policy": "vase_attnv", "op": "B=512"})
+        d[d.correct_a & ~d.correct_b][["problem_id", "output_a", "output_b"]]
+    """
+    sides = []
+    for which in (a, b):
+        ids = _select(tree, which)
+        s = tree.samples[tree.samples["run_id"].isin(ids)]
+        s = s.merge(tree.runs[["run_id", "task", "policy", "op"]], on="run_id")
+        if s["task"].nunique() > 1:
+            logger.warning("compare_runs: %r spans tasks %s; problems are matched by id", which, sorted(set(s["task"])))
+        sides.append(s)
+    out = match_samples(*sides)
+    out["changed"] = out["correct_a"].astype(bool) != out["correct_b"].astype(bool)
+    logger.info(
+        "compare_runs: %d shared samples (%d only in a, %d only in b), %d verdicts differ",
+        len(out),
+        len(sides[0].drop_duplicates(subset=list(PAIR_KEYS))) - len(out),
+        len(sides[1].drop_duplicates(subset=list(PAIR_KEYS))) - len(out),
+        int(out["changed"].sum()),
+    )
+    return out.sort_values(["problem_id", "seed", "sample"]).reset_index(drop=True)

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from vase.analysis.figure_base import _PALETTE, COLUMN_WIDTH, FigureResult, new_figure, policy_color
+from vase.analysis.figure_base import _PALETTE, COLUMN_WIDTH, FigureResult, legend_below, new_figure, policy_color
 from vase.analysis.labels import (
     MISSING,
     POLICY_LABELS,
@@ -128,7 +128,7 @@ def figure_matched_memory(summary: pd.DataFrame, res: FigureResult) -> None:
         ax.set_ylim(-2, 102)
         ax.grid(alpha=0.3)
         ax.set_title(f"Accuracy at matched memory\n{TASK_LABELS.get(task, task)}, {model}")
-        fig.legend(loc="outside lower center", ncols=1 if len(pols) < 4 else 2, frameon=False)
+        legend_below(fig, ncols=1 if len(pols) < 4 else 2)
         res.figures[name] = fig
 
 
@@ -143,8 +143,8 @@ def _round_rates(tree: Tree, summary: pd.DataFrame) -> dict[tuple, np.ndarray]:
 
 # (summary column, scale, axis label) of the throughput / memory figure's panels
 _PANELS = (
-    ("decode_tokens_per_second", 1.0, "decode tokens/s (• each round, — range)"),
-    ("kv_retained_bytes_mean", 1 / MIB, "KV/sample, MiB (■ mean, | peak, □ full)"),
+    ("decode_tokens_per_second", 1.0, "decode tokens/s\n• per round, — range"),
+    ("kv_retained_bytes_mean", 1 / MIB, "KV per sample (MiB)\n■ mean, | peak, □ full"),
     ("kv_allocated_bytes", 1 / MIB, "allocated KV, static (MiB)"),
     ("peak_memory_bytes", 1 / GIB, "peak memory (GiB)"),
 )
@@ -205,6 +205,6 @@ def figure_throughput_memory(tree: Tree, summary: pd.DataFrame, res: FigureResul
         machines = sorted({m for m in tree.runs.loc[tree.runs["model"] == model, "machine"].dropna()})
         where = ", ".join(machines) if machines else "machine not recorded"
         if len(tasks) > 1:
-            fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=len(tasks), title="task")
+            legend_below(fig, *axes[0].get_legend_handles_labels(), ncols=3)
         fig.suptitle(f"Throughput and memory: {model}\non {where}")
         res.figures[name] = fig

@@ -100,3 +100,21 @@ def save_figure(
             fig.savefig(path, dpi=dpi, format=fmt)
             paths.append(path)
     return paths
+
+
+def legend_below(fig: Figure, handles: list | None = None, labels: list | None = None, ncols: int = 2) -> None:
+    """A compact legend under the axes (inside the figure's width: at most ``ncols`` entries a row)."""
+    if handles is None:
+        handles, labels = fig.axes[0].get_legend_handles_labels()
+    if not handles:
+        return
+    fig.legend(
+        handles,
+        labels,
+        loc="outside lower center",
+        ncols=max(1, min(ncols, len(handles))),
+        frameon=False,
+        handlelength=1.2,
+        columnspacing=0.8,
+        handletextpad=0.4,
+    )

@@ -21,11 +21,13 @@ from vase.analysis.figure_base import (  # noqa: F401 - re-exported: figures' pu
     PAPER_RC,
     FigureResult,
     _wrap,
+    legend_below,
     new_figure,
     policy_color,
     save_figure,
 )
 from vase.analysis.labels import (
+    CLASS_LABELS,
     LOOP_COLORS,
     PILOT_ORDER,
     TASK_LABELS,
@@ -40,10 +42,12 @@ from vase.analysis.paper import GSM8K_PILOT
 logger = logging.getLogger(__name__)
 
 
-def _grid(n: int, width: float = 4.2, height: float = 3.4, max_cols: int = 3) -> tuple[Figure, list]:
-    cols = min(n, max_cols)
+def _panels(n: int, entries: int, extra: float = 0.9) -> tuple[Figure, list]:
+    """``n`` panels of ``entries`` horizontal bars each: one column (:data:`COLUMN_WIDTH`) up to two panels, else two
+    columns (a figure spanning both columns of a paper); the height grows with the bars, never the font."""
+    cols = 1 if n <= 2 else 2
     rows = math.ceil(n / cols)
-    fig = new_figure(width * cols, height * rows)
+    fig = new_figure(COLUMN_WIDTH * cols, rows * (0.17 * entries + 0.55) + extra)
     axes = fig.subplots(rows, cols, squeeze=False).ravel().tolist()
     for ax in axes[n:]:
         ax.set_visible(False)
@@ -66,7 +70,7 @@ def figure_accuracy_vs_budget(summary: pd.DataFrame, res: FigureResult) -> None:
                         name, f"{model}/{task}: no policy at two {kind} values ({', '.join(sorted(set(ev['op'])))})"
                     )
                 continue
-            fig = new_figure(6.6, 4.2)
+            fig = new_figure(COLUMN_WIDTH, 2.4 + 0.14 * (len(lines) + 1))
             ax = fig.add_subplot()
             for k, (pol, ps) in enumerate(sorted(lines, key=lambda kv: policy_sort_key(kv[0]))):
                 ax.errorbar(
@@ -74,7 +78,7 @@ def figure_accuracy_vs_budget(summary: pd.DataFrame, res: FigureResult) -> None:
                     ps["accuracy"],
                     yerr=ps["accuracy_se"].fillna(0),
                     marker="o",
-                    capsize=3,
+                    capsize=2,
                     label=ps["short"].iloc[0],
                     color=policy_color(pol, k if "[" in pol else 0),
                 )
@@ -87,11 +91,11 @@ def figure_accuracy_vs_budget(summary: pd.DataFrame, res: FigureResult) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xticks(xs, [f"{x:g}×" if kind == "ratio" else f"{x:g}" for x in xs])
             ax.minorticks_off()
-            ax.set_xlabel("compression ratio" if kind == "ratio" else "budget B (tokens per layer and KV head)")
-            ax.set_ylabel("pass@1 (%)")
-            ax.set_title(f"{TASK_LABELS.get(task, task)} — {model}")
+            ax.set_xlabel("compression ratio" if kind == "ratio" else "budget B (tokens per layer, KV head)")
+            ax.set_ylabel("pass@1 (%, ± SE)")
+            ax.set_title(f"{TASK_LABELS.get(task, task)}\n{model}")
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=7, loc="best")
+            legend_below(fig)
             res.figures[name] = fig
 
 
@@ -104,23 +108,23 @@ def figure_failure_modes(summary: pd.DataFrame, res: FigureResult) -> None:
             classes = present_classes(sub)
             name = f"failure_modes_{slug(model)}_{slug(op)}"
             tasks = sorted(sub["task"].unique(), key=task_sort_key)
-            fig, axes = _grid(len(tasks), max(4.6, 0.8 * sub.groupby("task").size().max()), 4.2)
+            fig, axes = _panels(len(tasks), int(sub.groupby("task").size().max()))
             for ax, task in zip(axes, tasks):
                 ts = sub[sub["task"] == task]
                 ts = ts.iloc[sorted(range(len(ts)), key=lambda i: policy_sort_key(ts["policy"].iloc[i]))]
-                x = np.arange(len(ts))
-                bottom = np.zeros(len(ts))
+                y = np.arange(len(ts))
+                left = np.zeros(len(ts))
                 for c in classes:
                     vals = ts[f"{c}_rate"].fillna(0).to_numpy()
-                    ax.bar(x, vals, bottom=bottom, color=LOOP_COLORS[c], label=c, width=0.75)
-                    bottom += vals
-                ax.set_xticks(x, _wrap(ts["short"]), rotation=45, ha="right", rotation_mode="anchor", fontsize=7)
-                ax.set_ylim(0, 100)
-                ax.set_ylabel("% of samples")
+                    ax.barh(y, vals, left=left, color=LOOP_COLORS[c], label=CLASS_LABELS.get(c, c), height=0.75)
+                    left += vals
+                ax.set_yticks(y, _wrap(ts["short"], 30))
+                ax.invert_yaxis()
+                ax.set_xlim(0, 100)
+                ax.set_xlabel("% of samples")
                 ax.set_title(TASK_LABELS.get(task, task))
-            handles, labels = axes[0].get_legend_handles_labels()
-            fig.legend(handles, labels, loc="outside right upper", fontsize=8)
-            fig.suptitle(f"Output failure modes — {model}, {op}")
+            legend_below(fig, *axes[0].get_legend_handles_labels(), ncols=3)
+            fig.suptitle(f"Output failure modes: {op}\n{model}")
             res.figures[name] = fig
 
 
@@ -137,27 +141,21 @@ def figure_output_lengths(tree: Tree, summary: pd.DataFrame, res: FigureResult) 
                 res.skip(name, f"{model}: no samples on disk")
                 continue
             tasks = sorted(ms["task"].unique(), key=task_sort_key)
-            fig, axes = _grid(len(tasks), max(4.6, 0.8 * ms.groupby("task")["policy"].nunique().max()), 4.2)
+            fig, axes = _panels(len(tasks), 2 * int(ms.groupby("task")["policy"].nunique().max()))
             for ax, task in zip(axes, tasks):
                 ts = ms[ms["task"] == task]
                 pols = sorted(ts["policy"].unique(), key=policy_sort_key)
                 data = [ts.loc[ts["policy"] == p, "output_tokens"].astype(float).to_numpy() for p in pols]
-                parts = ax.violinplot(data, showmedians=True, showextrema=True)
+                parts = ax.violinplot(data, orientation="horizontal", showmedians=True, showextrema=True)
                 for body, p in zip(parts["bodies"], pols):
                     body.set_facecolor(policy_color(p))
                     body.set_alpha(0.6)
                 labels = [ts.loc[ts["policy"] == p, "short"].iloc[0] for p in pols]
-                ax.set_xticks(
-                    np.arange(1, len(pols) + 1),
-                    _wrap(labels),
-                    rotation=45,
-                    ha="right",
-                    rotation_mode="anchor",
-                    fontsize=7,
-                )
-                ax.set_ylabel("output tokens")
+                ax.set_yticks(np.arange(1, len(pols) + 1), _wrap(labels, 30))
+                ax.invert_yaxis()
+                ax.set_xlabel("output tokens")
                 ax.set_title(TASK_LABELS.get(task, task))
-            fig.suptitle(f"Output lengths — {model}, {op}")
+            fig.suptitle(f"Output lengths: {op}\n{model}")
             res.figures[name] = fig
 
 
@@ -181,18 +179,18 @@ def figure_policy_bars(summary: pd.DataFrame, res: FigureResult) -> None:
                     return (PILOT_ORDER.index(base) if base in PILOT_ORDER else len(PILOT_ORDER), natural_key(p))
 
                 ts = ts.iloc[sorted(range(len(ts)), key=lambda i: order(ts["policy"].iloc[i]))]
-                fig = new_figure(max(5.0, 0.75 * len(ts) + 2), 4.2)
+                fig = new_figure(COLUMN_WIDTH, 0.22 * len(ts) + 1.6)
                 ax = fig.add_subplot()
-                x = np.arange(len(ts))
+                y = np.arange(len(ts))
                 colors = [policy_color(p) for p in ts["policy"]]
-                ax.bar(x, ts["accuracy"], yerr=ts["accuracy_se"].fillna(0), color=colors, capsize=3)
-                for xi, acc, se, done in zip(x, ts["accuracy"], ts["accuracy_se"].fillna(0), ts["complete"]):
+                ax.barh(y, ts["accuracy"], xerr=ts["accuracy_se"].fillna(0), color=colors, capsize=2, height=0.7)
+                for yi, acc, se, done in zip(y, ts["accuracy"], ts["accuracy_se"].fillna(0), ts["complete"]):
                     if not math.isnan(acc):
                         label = f"{acc:.1f}" + ("" if done else "†")
-                        ax.text(xi, acc + se + 1.5, label, ha="center", fontsize=7)
+                        ax.text(acc + se + 1.5, yi, label, va="center", fontsize=7)
                 marks = [  # the same outputs under each grader rule; the paper's pilot numbers on GSM8K
                     (ts[f"accuracy_{rule}"], m, f"grader {rule}")
-                    for rule, m in (("strict", "_"), ("last_boxed", "x"))
+                    for rule, m in (("strict", "|"), ("last_boxed", "x"))
                     if f"accuracy_{rule}" in ts and ts[f"accuracy_{rule}"].notna().any()
                 ]
                 if task == "gsm8k":
@@ -200,15 +198,16 @@ def figure_policy_bars(summary: pd.DataFrame, res: FigureResult) -> None:
                     marks.append((pd.Series([r.accuracy if r else np.nan for r in paper]), "*", "paper"))
                 for values, marker, label in marks:
                     ax.scatter(
-                        x, values.to_numpy(dtype=float), marker=marker, color="black", s=40, zorder=3, label=label
+                        values.to_numpy(dtype=float), y, marker=marker, color="black", s=18, zorder=3, label=label
                     )
                 if marks:
-                    ax.legend(fontsize=7, loc="upper right")
-                ax.set_xticks(x, _wrap(ts["short"]), rotation=40, ha="right", rotation_mode="anchor", fontsize=8)
-                ax.set_ylabel("pass@1 (%)")
-                ax.set_ylim(0, max(100.0, float(np.nanmax(ts["accuracy"].to_numpy(dtype=float), initial=0)) + 8))
-                ax.set_title(f"{TASK_LABELS.get(task, task)} — {model}, {op}")
-                ax.grid(axis="y", alpha=0.3)
+                    legend_below(fig, ncols=3)
+                ax.set_yticks(y, _wrap(ts["short"], 30))
+                ax.invert_yaxis()
+                ax.set_xlabel("pass@1 (%, ± SE)")
+                ax.set_xlim(0, max(100.0, float(np.nanmax(ts["accuracy"].to_numpy(dtype=float), initial=0)) + 12))
+                ax.set_title(f"{TASK_LABELS.get(task, task)}, {op}\n{model}")
+                ax.grid(axis="x", alpha=0.3)
                 res.figures[name] = fig
 
 
@@ -219,15 +218,16 @@ def figure_diversity(diversity: pd.DataFrame, res: FigureResult) -> None:
         res.skip(name, "no kept_sets recorded (run with record_kept=true)")
         return
     d = diversity.groupby("method", sort=False)[["heads", "layers", "samples"]].mean()
-    fig = new_figure(max(5.0, 1.2 * len(d) + 2), 4.0)
+    fig = new_figure(COLUMN_WIDTH, 0.45 * len(d) + 1.1)
     ax = fig.add_subplot()
-    x = np.arange(len(d))
+    y = np.arange(len(d))
     for k, (col, color) in enumerate(zip(("heads", "layers", "samples"), ("#1f77b4", "#ff7f0e", "#2ca02c"))):
-        ax.bar(x + (k - 1) * 0.27, d[col].to_numpy(dtype=float), width=0.27, label=f"across {col}", color=color)
-    ax.set_xticks(x, _wrap(d.index), rotation=30, ha="right", rotation_mode="anchor", fontsize=8)
-    ax.set_ylabel("mean Jaccard of kept sets")
-    ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
+        ax.barh(y + (k - 1) * 0.27, d[col].to_numpy(dtype=float), height=0.27, label=f"across {col}", color=color)
+    ax.set_yticks(y, _wrap(d.index, 30))
+    ax.invert_yaxis()
+    ax.set_xlabel("mean Jaccard of kept sets")
+    ax.set_xlim(0, 1)
+    legend_below(fig, ncols=3)
     ax.set_title("Cache diversity (lower = more diverse)")
     res.figures[name] = fig
 
