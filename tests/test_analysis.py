@@ -643,12 +643,12 @@ def test_samples_not_decoded_to_the_end_are_their_own_classes(tmp_path: Path):
     figure_failure_modes(s, res)
     (ax,) = [a for a in res.figures["failure_modes_m_B64"].axes if a.get_visible()]
     assert [h.get_label() for h in ax.get_legend_handles_labels()[0]] == [
-        "loop",
-        "garbage",
-        "truncated",
-        "ok",
-        "nonfinite",
-        "prompt_too_long",
+        "Loop",
+        "Garbage",
+        "Truncated",
+        "OK",
+        "Non-finite",
+        "Prompt too long",
     ]
     # without such samples the table and the figure keep the four classes
     clean = s[s["policy"] == "full"]
@@ -656,7 +656,7 @@ def test_samples_not_decoded_to_the_end_are_their_own_classes(tmp_path: Path):
     res = FigureResult()
     figure_failure_modes(clean, res)
     (ax,) = [a for a in res.figures["failure_modes_m_full"].axes if a.get_visible()]
-    assert [h.get_label() for h in ax.get_legend_handles_labels()[0]] == ["loop", "garbage", "truncated", "ok"]
+    assert [h.get_label() for h in ax.get_legend_handles_labels()[0]] == ["Loop", "Garbage", "Truncated", "OK"]
 
 
 def test_summary_agrees_with_the_runners_metrics(tmp_path: Path):

@@ -242,3 +242,21 @@ def test_every_figure_legible_at_column_width(tree_dir: Path, tmp_path: Path):  
             for t in ax.get_xticklabels() + ax.get_yticklabels():
                 assert t.get_rotation() == 0, (name, t.get_text())
     assert len(report.figure_paths) == len(figs.figures)
+
+
+def test_engine_reports_the_peak_held_tokens(finished_run: Path):
+    """A real tiny run (vase_attnv, budget 32, window 16, prompts longer than the budget): the peak is the prompt
+    grown to the next eviction point (a multiple of the window), the mean lies below it, the bytes follow."""
+    from vase.run.results import read_samples
+
+    rows = read_samples(finished_run)
+    metrics = json.loads((finished_run / "metrics.json").read_text())
+    per_token = rows[0]["kv_full_bytes_end"] / (rows[0]["prompt_tokens"] + rows[0]["output_tokens"])
+    for r in rows:
+        p, n, peak = r["prompt_tokens"], r["output_tokens"], r["held_tokens_max"]
+        assert r["held_tokens_mean"] <= peak and r["kv_retained_bytes_peak"] == peak * per_token
+        assert r["kv_retained_bytes_mean"] == pytest.approx(r["held_tokens_mean"] * per_token)
+        first_eviction = -(-(p + 1) // 16) * 16  # the first position that is a multiple of the window
+        assert p > 32 and peak == (first_eviction if p + n - 1 >= first_eviction else p + n - 1)
+    assert metrics["kv_retained_bytes_peak"] == max(r["kv_retained_bytes_peak"] for r in rows)
+    assert metrics["tokens_per_correct"] is None or metrics["correct_samples"] > 0
