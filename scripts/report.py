@@ -16,6 +16,7 @@ from samples.jsonl and marked †) and writes:
                                      budget, tokens and decode seconds per correct sample, peak memory, evictions
             statistics_<model>_<op>  pass@1 with its 95 % bootstrap CI over problems, seeds pooled, each seed's
                                      pass@1 and the SD between seeds
+            ablation_<model>_<task>_<policy>_<op>  the ablation as an n_protect x attn_temperature grid
             paired_<model>         paired differences (same problem, seed, sample) against the full cache and
                                    between policies: CI, sign-flip p, Holm-adjusted p over the grid
             summary                every (model, task, policy, operating point) with every metric

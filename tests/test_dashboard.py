@@ -200,10 +200,15 @@ def test_ablation_sections_and_bars_per_cell(tmp_path: Path):
     build_report(root, tmp_path / "report", formats=("png",), group="abl")
     manifest = D.load_manifest(tmp_path / "report")
     assert manifest["cell_keys"] == ["policy.attn_temperature", "policy.n_protect"]
+    assert "tables/ablation_m_math500_vase_attnv_B64" in manifest["tables"]
     structure = D.outline(D.build_report("ent", "proj", "abl", manifest))
     titles = [s["title"] for s in structure]
     assert "Ablation: protection × attention temperature" in titles
     assert "GSM8K pilot: accuracy per policy" not in titles and "Cache diversity" not in titles
+    ablation = structure[titles.index("Ablation: protection × attention temperature")]
+    assert {"media:tables/ablation_m_math500_vase_attnv_B64", "media:figures/ablation_m_math500_vase_attnv_B64"} <= {
+        b for grid in ablation["grids"] for p in grid["panels"] for b in p["binds"]
+    }
     main = structure[0]["grids"][0]
     assert main["groupby"] == [
         "config.task.name",

@@ -193,6 +193,17 @@ def test_ablation_grid_fixed_range_se_and_n(tmp_path: Path):
     assert len(texts) == 9 and all("n=4" in t and "±" in t for t in texts)
     # n_protect=0.125, T=1: p0 (1, 1), p1 (1, 0) -> 75 %, SE = std(1, 0.5) / sqrt(2) = 25
     assert "75.0\n±25.0\nn=4" in texts
+    # the same grid as a table: rows n_protect, columns attn_temperature
+    from vase.analysis.aggregate import ablation_grids
+    from vase.analysis.comparisons import ablation_table
+
+    (grid,) = ablation_grids(s)
+    t = ablation_table(grid)
+    assert t.name == "ablation_m_math500_vase_attnv_B64"
+    assert list(t.display.columns)[1:] == ["0.5", "1", "2"]
+    assert list(t.display.iloc[:, 0]) == ["0.0625", "0.125", "0.25"]
+    assert t.display.set_index(t.display.columns[0]).loc["0.125", "1"] == "75.00 ± 25.00 (4)"
+    assert t.data.loc[1, "attn_temperature=1"] == pytest.approx(75.0)
 
 
 def test_ablation_grid_all_zero(tmp_path: Path):

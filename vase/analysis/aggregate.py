@@ -19,8 +19,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -29,8 +31,10 @@ from vase.analysis.labels import (
     FAILURE_CLASSES,
     LOOP_CLASSES,
     NOT_DECODED_CLASSES,
+    _with_defaults,
     op_sort_key,
     policy_sort_key,
+    slug,
     task_sort_key,
 )
 from vase.analysis.load import GRADER_RULES, Tree
@@ -335,6 +339,56 @@ def summarize(tree: Tree) -> pd.DataFrame:
         ),
     )
     return out.loc[order].reset_index(drop=True)
+
+
+@dataclass
+class AblationGrid:
+    """One policy's cells over two hyper-parameters at one (model, task, operating point): ``acc``, ``se`` (%) and
+    ``n`` (samples), each ``(len(rows), len(cols))``, NaN / 0 where a cell was not run."""
+
+    model: str
+    task: str
+    policy_name: str
+    op: str
+    row_param: str
+    col_param: str
+    rows: list
+    cols: list
+    acc: np.ndarray
+    se: np.ndarray
+    n: np.ndarray
+
+
+def _value_key(v: object) -> tuple:
+    return (0, float(v), "") if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, 0.0, str(v))
+
+
+def ablation_grids(
+    summary: pd.DataFrame, row_param: str = "n_protect", col_param: str = "attn_temperature"
+) -> list[AblationGrid | tuple[str, str]]:
+    """Per (model, task, policy name, operating point) whose cells set both parameters (the class defaults filled
+    in): an :class:`AblationGrid` when each takes two or more values, else ``(name, reason)`` when only one of them
+    varies; values sorted (numbers numerically)."""
+    out: list[AblationGrid | tuple[str, str]] = []
+    for (model, task, name, op), sub in summary.groupby(["model", "task", "policy_name", "op"]):
+        targets = sub["policy_target"] if "policy_target" in sub else pd.Series(None, index=sub.index)
+        params = [_with_defaults(p, t) or json.loads(p) for p, t in zip(sub["params"], targets)]
+        if not all(row_param in p and col_param in p for p in params):
+            continue
+        rows = sorted({p[row_param] for p in params}, key=_value_key)
+        cols = sorted({p[col_param] for p in params}, key=_value_key)
+        if len(rows) < 2 or len(cols) < 2:
+            if len(rows) > 1 or len(cols) > 1:
+                stem = f"ablation_{slug(model)}_{slug(task)}_{slug(name)}_{slug(op)}"
+                out.append((stem, f"needs >= 2 values of both {row_param} and {col_param}"))
+            continue
+        acc = np.full((len(rows), len(cols)), np.nan)
+        se, n = np.full_like(acc, np.nan), np.zeros_like(acc)
+        for p, a, e, k in zip(params, sub["accuracy"], sub["accuracy_se"], sub["samples"]):
+            i, j = rows.index(p[row_param]), cols.index(p[col_param])
+            acc[i, j], se[i, j], n[i, j] = a, e, k
+        out.append(AblationGrid(model, task, name, op, row_param, col_param, rows, cols, acc, se, n))
+    return out
 
 
 def present_classes(sub: pd.DataFrame) -> list[str]:

@@ -20,11 +20,11 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 
-from vase.analysis.aggregate import at_op
-from vase.analysis.labels import MISSING, TASK_LABELS, policy_sort_key, slug
+from vase.analysis.aggregate import AblationGrid, at_op
+from vase.analysis.labels import MISSING, PARAM_NAMES, POLICY_LABELS, TASK_LABELS, fmt_value, policy_sort_key, slug
 from vase.analysis.load import Tree
 from vase.analysis.stats import PAIR_KEYS, accuracy_ci, fmt_p, holm, match_samples, paired_difference, seed_spread
-from vase.analysis.tables import Table, _fmt
+from vase.analysis.tables import Table, _fmt, _fmt_pm
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +203,28 @@ def paired_table(pairs: pd.DataFrame, model: str, alpha: float = 0.05) -> Table:
         f"test by problem; Holm: adjusted over all {len(pairs)} comparisons of the report; * Holm p <= {alpha}."
     ]
     return Table(f"paired_{slug(model)}", data, display, f"Paired differences, {model}", notes, label_cols=4)
+
+
+def ablation_table(g: AblationGrid) -> Table:
+    """An ablation as a grid (:func:`~vase.analysis.aggregate.ablation_grids`): one row per value of the row
+    parameter, one column per value of the column parameter, each cell ``pass@1 ± SE (n)``."""
+    data = pd.DataFrame(g.acc, index=g.rows, columns=g.cols)
+    data.index.name = g.row_param
+    data.columns = [f"{g.col_param}={fmt_value(c)}" for c in g.cols]
+    data = data.reset_index()
+    row_name, col_name = PARAM_NAMES.get(g.row_param, g.row_param), PARAM_NAMES.get(g.col_param, g.col_param)
+    display = pd.DataFrame({row_name: [fmt_value(r) for r in g.rows]})
+    for j, c in enumerate(g.cols):
+        display[fmt_value(c)] = [
+            MISSING if np.isnan(g.acc[i, j]) else f"{_fmt_pm(g.acc[i, j], g.se[i, j])} ({int(g.n[i, j])})"
+            for i in range(len(g.rows))
+        ]
+    caption = (
+        f"{POLICY_LABELS.get(g.policy_name, g.policy_name)}: pass@1 (%) ± SE (samples), rows: {row_name}, columns: "
+        f"{col_name}; {TASK_LABELS.get(g.task, g.task)}, {g.model}, {g.op}"
+    )
+    name = f"ablation_{slug(g.model)}_{slug(g.task)}_{slug(g.policy_name)}_{slug(g.op)}"
+    return Table(name, data, display, caption, label_cols=1)
 
 
 def _ci(lo: float, hi: float) -> str:

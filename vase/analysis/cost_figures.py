@@ -12,18 +12,17 @@
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pandas as pd
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
+from vase.analysis.aggregate import ablation_grids
 from vase.analysis.figure_base import _PALETTE, COLUMN_WIDTH, FigureResult, legend_below, new_figure, policy_color
 from vase.analysis.labels import (
     MISSING,
+    PARAM_NAMES,
     POLICY_LABELS,
     TASK_LABELS,
-    _with_defaults,
     fmt_value,
     op_sort_key,
     policy_sort_key,
@@ -32,42 +31,29 @@ from vase.analysis.labels import (
 )
 from vase.analysis.load import Tree
 
-#: axis names of the hyper-parameters an ablation grid shows
-PARAM_NAMES = {
-    "n_protect": "protected value slots (n_protect)",
-    "attn_temperature": "attention temperature T",
-    "rkv_lambda": "R-KV λ",
-    "sinks": "sink tokens",
-    "smooth_kernel": "smoothing kernel",
-}
 MIB, GIB = 2.0**20, 2.0**30
-
-
-def _value_key(v: object) -> tuple:
-    return (0, float(v), "") if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, 0.0, str(v))
 
 
 def figure_ablation_grid(
     summary: pd.DataFrame, res: FigureResult, row_param: str = "n_protect", col_param: str = "attn_temperature"
 ) -> None:
     """Per (model, task, policy name, operating point) where both parameters take two or more values: the grid."""
-    for (model, task, name_, op), sub in summary.groupby(["model", "task", "policy_name", "op"]):
-        targets = sub["policy_target"] if "policy_target" in sub else pd.Series(None, index=sub.index)
-        params = [_with_defaults(p, t) or json.loads(p) for p, t in zip(sub["params"], targets)]
-        if not all(row_param in p and col_param in p for p in params):
+    for g in ablation_grids(summary, row_param, col_param):
+        if isinstance(g, tuple):
+            res.skip(*g)
             continue
-        rows = sorted({p[row_param] for p in params}, key=_value_key)
-        cols = sorted({p[col_param] for p in params}, key=_value_key)
+        model, task, name_, op, rows, cols, acc, se, n = (
+            g.model,
+            g.task,
+            g.policy_name,
+            g.op,
+            g.rows,
+            g.cols,
+            g.acc,
+            g.se,
+            g.n,
+        )
         name = f"ablation_{slug(model)}_{slug(task)}_{slug(name_)}_{slug(op)}"
-        if len(rows) < 2 or len(cols) < 2:
-            if len(rows) > 1 or len(cols) > 1:
-                res.skip(name, f"needs >= 2 values of both {row_param} and {col_param}")
-            continue
-        acc = np.full((len(rows), len(cols)), np.nan)
-        se, n = np.full_like(acc, np.nan), np.zeros_like(acc)
-        for p, a, e, k in zip(params, sub["accuracy"], sub["accuracy_se"], sub["samples"]):
-            i, j = rows.index(p[row_param]), cols.index(p[col_param])
-            acc[i, j], se[i, j], n[i, j] = a, e, k
         fig = new_figure(COLUMN_WIDTH, 0.55 * len(rows) + 1.3)
         ax = fig.add_subplot()
         im = ax.imshow(acc, cmap="viridis", vmin=0.0, vmax=100.0, aspect="auto")

@@ -257,9 +257,9 @@ SECTIONS: tuple[Section, ...] = (
         "VaSE-AttnV's protected value slots (`n_protect`) against its attention temperature (the `vase_ablation` "
         "sweep): the paper's heatmap.",
         _ablation,
-        (r"figures/ablation_",),
+        (r"figures/ablation_", r"tables/ablation_"),
         group_by_task=False,
-        requires=(r"figures/ablation_",),
+        requires=(r"figures/ablation_", r"tables/ablation_"),
     ),
     Section(
         "GSM8K pilot: accuracy per policy",

@@ -131,6 +131,16 @@ PARAM_ABBREVIATIONS = {
 }
 
 
+#: axis names of the hyper-parameters an ablation grid shows
+PARAM_NAMES = {
+    "n_protect": "protected value slots (n_protect)",
+    "attn_temperature": "attention temperature T",
+    "rkv_lambda": "R-KV λ",
+    "sinks": "sink tokens",
+    "smooth_kernel": "smoothing kernel",
+}
+
+
 def import_class(target: str) -> type:
     """The class (or any attribute) a dotted ``module.Name`` path names."""
     module, _, attr = target.rpartition(".")

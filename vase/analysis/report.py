@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from vase.analysis.aggregate import operating_points, summarize
+from vase.analysis.aggregate import AblationGrid, ablation_grids, operating_points, summarize
 from vase.analysis.comparisons import (
+    ablation_table,
     cell_samples,
     cell_statistics,
     paired_comparisons,
@@ -129,12 +130,13 @@ def cell_config_keys(summary: pd.DataFrame) -> list[str]:
 
 def statistics_tables(summary: pd.DataFrame, pairs: pd.DataFrame) -> list[Table]:
     """Per model and operating point the CI / seed table; per model the paired comparisons (when any pair shares
-    samples)."""
+    samples); each ablation as a grid (``n_protect`` x ``attn_temperature``)."""
     out = []
     for model in sorted(summary["model"].unique()):
         out += [statistics_table(summary, model, op) for op in operating_points(summary, model)]
         if not pairs.empty and (pairs["model"] == model).any():
             out.append(paired_table(pairs, model))
+    out += [ablation_table(g) for g in ablation_grids(summary) if isinstance(g, AblationGrid)]
     return out
 
 
