@@ -49,14 +49,7 @@ from vase.models import check_architecture
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "FINISH_REASONS",
-    "Decoder",
-    "Finished",
-    "Request",
-    "StepInfo",
-    "vase_attention",
-]
+__all__ = ["FINISH_REASONS", "Decoder", "Finished", "Request", "StepInfo", "vase_attention"]
 
 FINISH_REASONS = ("eos", "stop", "length", "loop", "nonfinite", "prompt_too_long")
 STOP_WHEN_EVERY = 16  # ``stop_when`` is asked every this many tokens of a row
@@ -93,11 +86,10 @@ class Finished:
         finish_reason: one of :data:`FINISH_REASONS`.
         prompt_len: prompt tokens.
         stats: ``decode_steps`` (forwards the row took part in), ``evictions`` (eviction events summed over layers),
-            ``eviction_seconds`` (its share), ``held_tokens`` (mean tokens held per layer and KV head over its
-            decode steps), ``held_tokens_max`` (the most it held after a decode step's append; read from the cache's
-            host-side lengths, no device sync), ``attended_tokens`` (selection policies: mean tokens attended per
-            step, query head and layer), ``first_step`` / ``last_step`` (the decoder's step counter when it entered
-            and ended).
+            ``eviction_seconds`` (its share), ``held_tokens`` / ``held_tokens_max`` (mean / most tokens held per layer
+            and KV head after its decode steps' appends: host-side lengths, no sync), ``attended_tokens`` (selection
+            policies: mean attended per step, query head and layer), ``first_step`` / ``last_step`` (the decoder's
+            step counter when it entered and ended).
     """
 
     key: Any
@@ -318,7 +310,6 @@ class Decoder:
                 for s, seed in zip(samples, seeds):
                     self.stats.samples += 1
                     stats = {**EMPTY_STATS, "held_tokens": float(prompt.numel()), "first_step": self.step}
-                    stats["held_tokens_max"] = prompt.numel()
                     stats["last_step"] = self.step
                     yield Finished(req.key, s, seed, [], "prompt_too_long", prompt.numel(), stats)
                 continue
@@ -481,7 +472,7 @@ class Decoder:
             "evictions": st["evictions"],
             "eviction_seconds": st["eviction_seconds"],
             "held_tokens": row.held_sum / row.steps if row.steps else float(row.prompt_len),
-            "held_tokens_max": row.held_max if row.steps else row.prompt_len,
+            "held_tokens_max": max(row.held_max, row.prompt_len),
             "attended_tokens": attended,
             "first_step": row.first_step,
             "last_step": self.step,
