@@ -12,12 +12,19 @@ from samples.jsonl and marked †) and writes:
             failures_<model>_<op>  loop / garbage / truncated / ok (+ non-finite / prompt too long when
                                    present) rates, answered rate, mean output length
             efficiency_<model>_<op>  decode tokens/s, rows in flight, allocated KV (static), KV held vs
-                                     full-cache KV per sample, peak memory, compression, evictions
+                                     full-cache KV per sample, retained KV per sample (mean, peak) beside the
+                                     budget, tokens and decode seconds per correct sample, peak memory, evictions
+            statistics_<model>_<op>  pass@1 with its 95 % bootstrap CI over problems, seeds pooled, each seed's
+                                     pass@1 and the SD between seeds
+            ablation_<model>_<task>_<policy>_<op>  the ablation as an n_protect x attn_temperature grid
+            paired_<model>         paired differences (same problem, seed, sample) against the full cache and
+                                   between policies: CI, sign-flip p, Holm-adjusted p over the grid
             summary                every (model, task, policy, operating point) with every metric
             diversity              kept-set Jaccard across heads / layers / samples (runs with record_kept=true)
             each as .csv, .md and .tex
-  figures/  accuracy_vs_budget_*, failure_modes_*, output_lengths_*, throughput_memory_*, ablation_* (protection x
-            temperature), gsm8k_pilot_* / accuracy_bars_*, cache_diversity; each as .png and .pdf
+  figures/  accuracy_vs_budget_*, failure_modes_*, output_lengths_*, throughput_memory_* (spread over rounds, the
+            machine named), matched_memory_* (accuracy vs mean retained KV), ablation_* (protection x temperature
+            grid), gsm8k_pilot_* / accuracy_bars_*, cache_diversity; each as .png and .pdf, single-column width
   report.md every table and figure, and the figures the data cannot support with the reason
   report.json the W&B group and the keys the summary run logs (scripts/dashboard.py --report binds them)
 

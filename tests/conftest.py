@@ -80,6 +80,7 @@ PER_SESSION = frozenset(
     {
         "decode_seconds",
         "decode_tokens_per_second",
+        "decode_seconds_per_correct",
         "eviction_seconds",
         "prefill_seconds",
         "peak_memory_bytes",

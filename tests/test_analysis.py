@@ -29,7 +29,7 @@ import yaml
 from vase.analysis.aggregate import summarize
 from vase.analysis.figures import (
     FigureResult,
-    figure_ablation_heatmap,
+    figure_ablation_grid,
     figure_accuracy_vs_budget,
     figure_failure_modes,
     figure_throughput_memory,
@@ -59,8 +59,9 @@ TARGETS = {
     "curdkv": "baselines.curdkv.CurDKV",
     "vase_dkv": "vase.policies.dkv.VaSEDKV",
     "evict_large_value": "baselines.evict_large_value.EvictLargeValue",
+    "quest": "baselines.quest.Quest",
 }
-KINDS = {"full": "none"}
+KINDS = {"full": "none", "quest": "selection"}
 
 
 BYTES_PER_TOKEN = 100  # K/V bytes of one token over every layer in the synthetic runs
@@ -166,9 +167,12 @@ def make_run(
                     "budget": budget if policy != "full" else None,
                     "held_tokens_end": held,
                     "held_tokens_mean": 40.0 if n_out else float(PROMPT_TOKENS),
+                    "held_tokens_max": held,
                     "compression_ratio": total / held,
                     "kv_held_bytes_end": held * BYTES_PER_TOKEN,
                     "kv_full_bytes_end": total * BYTES_PER_TOKEN,
+                    "kv_retained_bytes_mean": (40.0 if n_out else float(PROMPT_TOKENS)) * BYTES_PER_TOKEN,
+                    "kv_retained_bytes_peak": held * BYTES_PER_TOKEN,
                     "decode_steps": max(0, n_out - 1),
                     "evictions": n_evict,
                     "eviction_seconds": 0.01 * n_evict,
@@ -379,18 +383,22 @@ def test_policy_identity_from_varying_hyperparameters(tmp_path: Path):
     make_run(root, "full", "aime25", "full", 64, {"p0": [1, 1]})
     tree = load_tree(root)
     labels = set(tree.runs["policy"])
-    # attn_temperature=1.0 is VaSEAttnV's default: not part of the label; n_protect's default is None
-    assert labels == {
-        "full",
+    # attn_temperature=1.0 is VaSEAttnV's default, and the cells there keep their label like the others
+    cells = [
         "vase_attnv[attn_temperature=0.5,n_protect=16]",
-        "vase_attnv[n_protect=16]",
         "vase_attnv[attn_temperature=0.5,n_protect=32]",
-        "vase_attnv[n_protect=32]",
-    }
+        "vase_attnv[attn_temperature=1,n_protect=16]",
+        "vase_attnv[attn_temperature=1,n_protect=32]",
+    ]
+    assert labels == {"full", *cells}
     s = summarize(tree)
-    assert row(s, "aime25", "vase_attnv[n_protect=16]", "B=64")["accuracy"] == 100.0
+    assert list(s["policy"]) == ["full", *cells]  # sorted by their values
+    assert set(s.loc[s["policy"] != "full", "short"]) == {
+        f"VaSE-AttnV T={t} P={p}" for t in ("0.5", "1") for p in (16, 32)
+    }
+    assert row(s, "aime25", "vase_attnv[attn_temperature=1,n_protect=16]", "B=64")["accuracy"] == 100.0
     res = FigureResult()
-    figure_ablation_heatmap(s, res)
+    figure_ablation_grid(s, res)
     assert list(res.figures) == ["ablation_m_aime25_vase_attnv_B64"]
 
 
@@ -443,6 +451,10 @@ def test_tables_written_and_csv_values(tree_dir: Path, tmp_path: Path):
         "Allocated KV MiB",
         "KV held / sample MiB",
         "Full KV / sample MiB",
+        "Retained KV mean MiB",
+        "Retained KV peak MiB",
+        "Tokens / correct",
+        "Decode s / correct",
         "Peak GiB",
         "Evictions",
     ]
@@ -540,7 +552,7 @@ def test_metrics_only_run(tmp_path: Path):
     assert r["samples"] == 40 and r["complete"] and math.isnan(r["decode_tokens_per_second"])
     assert {t.name for t in paper_tables(s)} >= {"summary", "accuracy_m_B64"}
     res = FigureResult()
-    figure_throughput_memory(s, res)
+    figure_throughput_memory(load_tree(root), s, res)
     assert "no throughput.jsonl" in dict(res.skipped)["throughput_memory_m"]
     # with the runner's efficiency metrics saved, they are taken as saved too (decode seconds weight the tok/s)
     d2 = make_run(root, "b", "gsm8k", "snapkv", 64, {"p0": [1, 0]}, seed=1)
@@ -631,12 +643,12 @@ def test_samples_not_decoded_to_the_end_are_their_own_classes(tmp_path: Path):
     figure_failure_modes(s, res)
     (ax,) = [a for a in res.figures["failure_modes_m_B64"].axes if a.get_visible()]
     assert [h.get_label() for h in ax.get_legend_handles_labels()[0]] == [
-        "loop",
-        "garbage",
-        "truncated",
-        "ok",
-        "nonfinite",
-        "prompt_too_long",
+        "Loop",
+        "Garbage",
+        "Truncated",
+        "OK",
+        "Non-finite",
+        "Prompt too long",
     ]
     # without such samples the table and the figure keep the four classes
     clean = s[s["policy"] == "full"]
@@ -644,7 +656,7 @@ def test_samples_not_decoded_to_the_end_are_their_own_classes(tmp_path: Path):
     res = FigureResult()
     figure_failure_modes(clean, res)
     (ax,) = [a for a in res.figures["failure_modes_m_full"].axes if a.get_visible()]
-    assert [h.get_label() for h in ax.get_legend_handles_labels()[0]] == ["loop", "garbage", "truncated", "ok"]
+    assert [h.get_label() for h in ax.get_legend_handles_labels()[0]] == ["Loop", "Garbage", "Truncated", "OK"]
 
 
 def test_summary_agrees_with_the_runners_metrics(tmp_path: Path):
@@ -759,31 +771,36 @@ def test_report_of_a_real_run_directory(tmp_path: Path):
 
 
 def test_throughput_memory_figure_draws_the_summary(tree_dir: Path):
-    """One bar per (policy, operating point) and task in each panel, at the summary's values."""
-    s = summarize(load_tree(tree_dir))
+    """One bar per (policy, operating point) and task in each panel, at the summary's values; the spread of the
+    decode rate over rounds (throughput.jsonl lines) and the machine are shown."""
+    tree = load_tree(tree_dir)
+    s = summarize(tree)
     res = FigureResult()
-    figure_throughput_memory(s, res)
-    axes = [a for a in res.figures["throughput_memory_m"].axes if a.get_visible()]
-    assert [a.get_title().split(" (")[0].split(":")[0] for a in axes] == [
-        "decode tokens / s",
-        "rows in flight",
-        "allocated KV, static",
+    figure_throughput_memory(tree, s, res)
+    fig = res.figures["throughput_memory_m"]
+    axes = [a for a in fig.axes if a.get_visible()]
+    assert [a.get_xlabel().split("\n")[0].split(" (")[0].split(",")[0] for a in axes] == [
+        "decode tokens/s",
         "KV per sample",
+        "allocated KV",
         "peak memory",
-        "compression",
     ]
-    ticks = [t.get_text().replace("\n", " ") for t in axes[0].get_xticklabels()]
+    assert "machine not recorded" in fig.get_suptitle()
+    ticks = [t.get_text() for t in axes[0].get_yticklabels()]
     assert ticks == ["Full cache", "SnapKV (B=64)", "SnapKV (B=128)", "VaSE-AttnV (B=64)", "VaSE-AttnV (B=128)"]
 
     def bars(ax, label: str) -> list[float]:
         (c,) = [c for c in ax.containers if c.get_label() == label]
-        return [p.get_height() for p in c.patches]
+        return [p.get_width() for p in c.patches]
 
     # GSM8K: 600 tokens / 3 s (full), 2100 / 6 (B=64), 1800 / 3 (B=128), 300 / 2 (VaSE, torn run), no VaSE at B=128
     assert bars(axes[0], "GSM8K") == pytest.approx([200, 350, 600, 150, float("nan")], nan_ok=True)
+    # SnapKV B=64 on GSM8K: three throughput.jsonl lines (300/1, 700/2, 1100/3 tokens/s): a range from 300 to 366.7
+    ranges = [tuple(line.get_xdata()) for line in axes[0].get_lines()]
+    assert (300.0, pytest.approx(1100 / 3)) in ranges
+    # retained KV per sample: held_tokens_mean (40) x bytes per token (100), a run written before the field
+    assert bars(axes[1], "GSM8K")[:2] == pytest.approx([40 * 100 / 2**20, 40 * 100 / 2**20])
     assert bars(axes[2], "GSM8K")[:3] == pytest.approx([64000 / 2**20, 64000 / 2**20, 128000 / 2**20])
-    assert bars(axes[3], "GSM8K")[:2] == pytest.approx([110 * 100 / 2**20, 64 * 100 / 2**20])  # held per sample
-    assert bars(axes[5], "MATH")[:2] == pytest.approx([1.0, 110 / 64])
 
 
 def test_accuracy_under_both_grader_rules_and_two_protocols_kept_apart(tmp_path: Path):

@@ -19,13 +19,17 @@ from vase.analysis.report import build_report
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_SECTIONS = [
     "Main table: pass@1 per policy and task",
+    "Comparisons: confidence intervals, paired differences, matched memory",
     "Failure modes: loops, garbage, truncation",
     "Efficiency: memory and throughput",
     "Accuracy vs budget",
     "Ablation: protection × attention temperature",
     "GSM8K pilot: accuracy per policy",
+    "Accuracy per policy, other tasks",
     "Cache diversity",
 ]
+#: the sections of tree_dir's report (GSM8K and MATH at two budgets; no ablation grid, no kept sets)
+TREE_SECTIONS = [t for t in PAPER_SECTIONS if not t.startswith(("Ablation", "Cache diversity"))]
 
 
 def _binds(structure: list[dict], prefix: str) -> list[str]:
@@ -79,7 +83,8 @@ def test_run_panels_bind_to_what_the_runner_logs(tmp_path: Path):
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["policy=vase_attnv"])
-    config_keys = set(_binds(structure, "config:")) | set(_binds(structure, "groupby:config:"))
+    grouped = {g.removeprefix("config.") for sec in structure for grid in sec["grids"] for g in grid["groupby"]}
+    config_keys = set(_binds(structure, "config:")) | grouped
     assert {"policy._target_", "policy.n_protect", "policy.attn_temperature", "ratio"} <= config_keys
     missing = [
         k for k in config_keys | set(D.RUN_CONFIG_KEYS) if OmegaConf.select(cfg, k, default="<none>") == "<none>"
@@ -112,7 +117,7 @@ def test_assign_media_refuses_a_key_no_section_shows():
     with pytest.raises(ValueError, match="figures/brand_new_figure"):
         D.assign_media({"figures": ["figures/brand_new_figure"]})
     got = D.assign_media({"charts": ["charts/accuracy_m_t_4x", "charts/accuracy_vs_ratio_m_t"]})
-    assert got[0]["charts"] == ["charts/accuracy_m_t_4x"] and got[3]["charts"] == ["charts/accuracy_vs_ratio_m_t"]
+    assert got[0]["charts"] == ["charts/accuracy_m_t_4x"] and got[4]["charts"] == ["charts/accuracy_vs_ratio_m_t"]
 
 
 def test_panels_and_workspace_serialize_offline(report_dir: Path):
@@ -122,9 +127,9 @@ def test_panels_and_workspace_serialize_offline(report_dir: Path):
     for panel in (p for g in grids for p in g.panels):  # the runsets need the W&B API; the panels do not
         assert panel._to_model() is not None
     workspace = D.build_workspace("ent", "proj", "sweep-a", manifest)
-    assert [s["title"] for s in D.outline(workspace)] == PAPER_SECTIONS
+    assert [s["title"] for s in D.outline(workspace)] == TREE_SECTIONS
     view = workspace._to_model()
-    assert len(view.spec.section.panel_bank_config.sections) == len(PAPER_SECTIONS)
+    assert len(view.spec.section.panel_bank_config.sections) == len(TREE_SECTIONS)
 
 
 def test_bad_names_and_missing_manifest(tmp_path: Path):
@@ -145,6 +150,70 @@ def test_script_prints_and_writes_the_structure_without_saving(report_dir: Path,
     out = tmp_path / "structure.json"
     assert script.main(["--entity", "ent", "--report", str(report_dir), "--out", str(out)]) == 0
     structure = json.loads(out.read_text())
-    assert [s["title"] for s in structure] == PAPER_SECTIONS
+    assert [s["title"] for s in structure] == TREE_SECTIONS
     assert script.main(["--entity", "ent", "--report", str(tmp_path / "nope")]) == 2
     assert script.main(["--entity", "ent"]) == 2  # no group: neither --group nor a report.json
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dashboard_script", ROOT / "scripts" / "dashboard.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_prints_without_an_entity_but_does_not_save(report_dir: Path, tmp_path: Path, caplog, monkeypatch):
+    monkeypatch.delenv("WANDB_ENTITY", raising=False)
+    script = _script()
+    with caplog.at_level("INFO", logger="dashboard"):
+        assert script.main(["--report", str(report_dir), "--out", str(tmp_path / "s.json")]) == 0
+    assert "not saved" in caplog.text
+    # one panel is "1 panel", never "1 panels"
+    assert "1 panels" not in caplog.text
+    assert "Accuracy per policy, other tasks: 3 panels" in caplog.text  # two bar charts and the figures
+    assert script.main(["--report", str(report_dir), "--save"]) == 2  # saving needs an entity: one line, no network
+    with pytest.raises(ValueError, match="--entity"):
+        D.publish(D.build_report(None, "proj", "g"))
+
+
+def test_one_panel_is_singular(tmp_path: Path, caplog):
+    manifest = {"group": "g", "tables": ["tables/diversity"], "figures": [], "charts": []}
+    (tmp_path / "report.json").write_text(json.dumps(manifest))
+    with caplog.at_level("INFO", logger="dashboard"):
+        assert _script().main(["--report", str(tmp_path)]) == 0
+    assert "Cache diversity: 2 panels" in caplog.text  # its note and the table
+    with caplog.at_level("INFO", logger="dashboard"):
+        assert _script().main(["--group", "g"]) == 0  # no report: every section, diversity with its note only
+    assert "Cache diversity: 1 panel\n" in caplog.text + "\n" and "1 panels" not in caplog.text
+
+
+def test_ablation_sections_and_bars_per_cell(tmp_path: Path):
+    """A MATH ablation: an ablation section and no GSM8K pilot one; the bars group by the ablation's parameters."""
+    root = tmp_path / "abl"
+    for n_protect in (16, 32):
+        for temp in (0.5, 1.0):
+            params = {"n_protect": n_protect, "attn_temperature": temp}
+            make_run(root, f"r{n_protect}{temp}", "math500", "vase_attnv", 64, {"p0": [1, 0]}, params=params)
+    make_run(root, "full", "math500", "full", 64, {"p0": [1, 1]})
+    build_report(root, tmp_path / "report", formats=("png",), group="abl")
+    manifest = D.load_manifest(tmp_path / "report")
+    assert manifest["cell_keys"] == ["policy.attn_temperature", "policy.n_protect"]
+    assert "tables/ablation_m_math500_vase_attnv_B64" in manifest["tables"]
+    structure = D.outline(D.build_report("ent", "proj", "abl", manifest))
+    titles = [s["title"] for s in structure]
+    assert "Ablation: protection × attention temperature" in titles
+    assert "GSM8K pilot: accuracy per policy" not in titles and "Cache diversity" not in titles
+    ablation = structure[titles.index("Ablation: protection × attention temperature")]
+    assert {"media:tables/ablation_m_math500_vase_attnv_B64", "media:figures/ablation_m_math500_vase_attnv_B64"} <= {
+        b for grid in ablation["grids"] for p in grid["panels"] for b in p["binds"]
+    }
+    main = structure[0]["grids"][0]
+    assert main["groupby"] == [
+        "config.task.name",
+        "config.policy._target_",
+        "config.policy.attn_temperature",
+        "config.policy.n_protect",
+    ]
+    assert all(p["type"] != "BarPlot" or not any(b.startswith("groupby:") for b in p["binds"]) for p in main["panels"])

@@ -19,8 +19,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -29,8 +31,10 @@ from vase.analysis.labels import (
     FAILURE_CLASSES,
     LOOP_CLASSES,
     NOT_DECODED_CLASSES,
+    _with_defaults,
     op_sort_key,
     policy_sort_key,
+    slug,
     task_sort_key,
 )
 from vase.analysis.load import GRADER_RULES, Tree
@@ -46,7 +50,11 @@ SAMPLE_EFFICIENCY = (
     "kv_full_bytes_max",
     "held_tokens",
     "attended_tokens",
+    "kv_retained_bytes_mean",
+    "kv_retained_bytes_peak",
 )
+# Cost per solved sample (generated tokens of every sample, and decode seconds, per correct sample).
+COST_COLUMNS = ("correct_samples", "tokens_per_correct", "decode_seconds_per_correct")
 # Wall-clock columns of the summary (from throughput.jsonl, else metrics.json).
 THROUGHPUT_METRICS = (
     "decode_tokens_per_second",
@@ -122,7 +130,28 @@ def _group_metrics_from_samples(s: pd.DataFrame) -> dict:
     out["kv_full_bytes_max"] = float(full.max()) if len(full) else float("nan")
     out["held_tokens"] = _mean(_num(decoded, "held_tokens_mean"))
     out["attended_tokens"] = _mean(_num(s, "attended_tokens"))
+    mean_b, peak_b = retained_bytes(decoded)
+    out["kv_retained_bytes_mean"] = _mean(mean_b)
+    out["kv_retained_bytes_peak"] = float(peak_b.max()) if peak_b.notna().any() else float("nan")
+    out["correct_samples"] = int(s["correct"].astype(bool).sum())
+    out["tokens_per_correct"] = _per(float(_num(s, "output_tokens").sum()), out["correct_samples"])
     return out
+
+
+def _per(total: float, count: int) -> float:
+    return total / count if count and not math.isnan(total) else float("nan")
+
+
+def retained_bytes(s: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """Per sample: the mean and the peak K/V bytes its cache retained (over every layer and KV head).
+
+    From ``kv_retained_bytes_mean`` / ``_peak`` where the run recorded them; a run written before them gets the mean
+    from ``held_tokens_mean`` x bytes per token (``kv_full_bytes_end / (prompt + output tokens)``), the peak NaN.
+    """
+    mean, peak = _num(s, "kv_retained_bytes_mean"), _num(s, "kv_retained_bytes_peak")
+    total = _num(s, "prompt_tokens") + _num(s, "output_tokens")
+    per_token = _num(s, "kv_full_bytes_end") / total.where(total > 0)
+    return mean.fillna(_num(s, "held_tokens_mean") * per_token), peak
 
 
 def _json_values(ms: list[dict], key: str) -> list[float]:
@@ -171,8 +200,13 @@ def _group_metrics_from_json(ms: list[dict]) -> dict:
     for key in ("evictions", "eviction_seconds"):
         vals = _json_values(ms, key)
         out[key] = float(sum(vals)) if vals else float("nan")
-    for key in ("kv_held_bytes_mean", "kv_full_bytes_mean", "held_tokens", "attended_tokens"):
+    for key in ("kv_held_bytes_mean", "kv_full_bytes_mean", "held_tokens", "attended_tokens", "kv_retained_bytes_mean"):
         out[key] = _wmean(ms, key)
+    peaks = _json_values(ms, "kv_retained_bytes_peak")
+    out["kv_retained_bytes_peak"] = max(peaks) if peaks else float("nan")
+    out["correct_samples"] = int(sum(_json_values(ms, "correct_samples")))
+    tokens = sum(float(m.get("mean_output_tokens") or 0) * float(m.get("samples") or 0) for m in ms)
+    out["tokens_per_correct"] = _per(tokens, out["correct_samples"])
     full = _json_values(ms, "kv_full_bytes_max")
     out["kv_full_bytes_max"] = max(full) if full else float("nan")
     return out
@@ -280,6 +314,7 @@ def summarize(tree: Tree) -> pd.DataFrame:
             "short": first["short"],
             "policy_name": first["policy_name"],
             "policy_kind": first["policy_kind"],
+            "policy_target": first["policy_target"],
             "params": first["params"],
             "budget": float(budgets[0]) if len(budgets) == 1 and first["op_kind"] != "full" else float("nan"),
             "budgets": ",".join(map(str, budgets)),
@@ -291,6 +326,7 @@ def summarize(tree: Tree) -> pd.DataFrame:
             **_group_throughput(tree.throughput[tree.throughput["run_id"].isin(ids)], saved),
             "run_dirs": ";".join(grp["run_dir"]),
         }
+        row["decode_seconds_per_correct"] = _per(row["decode_seconds"], row["correct_samples"])
         rows.append(row)
     out = pd.DataFrame(rows)
     order = sorted(
@@ -303,6 +339,56 @@ def summarize(tree: Tree) -> pd.DataFrame:
         ),
     )
     return out.loc[order].reset_index(drop=True)
+
+
+@dataclass
+class AblationGrid:
+    """One policy's cells over two hyper-parameters at one (model, task, operating point): ``acc``, ``se`` (%) and
+    ``n`` (samples), each ``(len(rows), len(cols))``, NaN / 0 where a cell was not run."""
+
+    model: str
+    task: str
+    policy_name: str
+    op: str
+    row_param: str
+    col_param: str
+    rows: list
+    cols: list
+    acc: np.ndarray
+    se: np.ndarray
+    n: np.ndarray
+
+
+def _value_key(v: object) -> tuple:
+    return (0, float(v), "") if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, 0.0, str(v))
+
+
+def ablation_grids(
+    summary: pd.DataFrame, row_param: str = "n_protect", col_param: str = "attn_temperature"
+) -> list[AblationGrid | tuple[str, str]]:
+    """Per (model, task, policy name, operating point) whose cells set both parameters (the class defaults filled
+    in): an :class:`AblationGrid` when each takes two or more values, else ``(name, reason)`` when only one of them
+    varies; values sorted (numbers numerically)."""
+    out: list[AblationGrid | tuple[str, str]] = []
+    for (model, task, name, op), sub in summary.groupby(["model", "task", "policy_name", "op"]):
+        targets = sub["policy_target"] if "policy_target" in sub else pd.Series(None, index=sub.index)
+        params = [_with_defaults(p, t) or json.loads(p) for p, t in zip(sub["params"], targets)]
+        if not all(row_param in p and col_param in p for p in params):
+            continue
+        rows = sorted({p[row_param] for p in params}, key=_value_key)
+        cols = sorted({p[col_param] for p in params}, key=_value_key)
+        if len(rows) < 2 or len(cols) < 2:
+            if len(rows) > 1 or len(cols) > 1:
+                stem = f"ablation_{slug(model)}_{slug(task)}_{slug(name)}_{slug(op)}"
+                out.append((stem, f"needs >= 2 values of both {row_param} and {col_param}"))
+            continue
+        acc = np.full((len(rows), len(cols)), np.nan)
+        se, n = np.full_like(acc, np.nan), np.zeros_like(acc)
+        for p, a, e, k in zip(params, sub["accuracy"], sub["accuracy_se"], sub["samples"]):
+            i, j = rows.index(p[row_param]), cols.index(p[col_param])
+            acc[i, j], se[i, j], n[i, j] = a, e, k
+        out.append(AblationGrid(model, task, name, op, row_param, col_param, rows, cols, acc, se, n))
+    return out
 
 
 def present_classes(sub: pd.DataFrame) -> list[str]:

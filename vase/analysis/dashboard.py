@@ -10,6 +10,11 @@ One section per paper table and figure (:data:`SECTIONS`). Each holds
 * the report's panels from its summary run (``job_type = summary``, written by ``scripts/report.py --wandb``): the
   tables, figures and native charts it logged, whose keys ``report.json`` lists (:func:`load_manifest`).
 
+The runsets group the runs by task and by the cell's config keys (:func:`cell_keys`: the policy class and the
+hyper-parameters in the report's policy identities), so each bar is one cell, its seeds averaged, and ablation cells
+never collapse into one bar. With a ``report.json``, only the sections its data has are built (:func:`shown_sections`).
+Without an entity the dashboard can be built and printed, not saved.
+
 Building needs no network: :func:`build_report` / :func:`build_workspace` return the ``wandb_workspaces`` objects;
 only :func:`publish` (``scripts/dashboard.py --save``) talks to W&B. Runsets name the group in their filters, so
 the same code serves the next sweep.
@@ -64,9 +69,18 @@ RUN_SUMMARY_KEYS = (
     "evictions",
     "eviction_seconds",
     "budget",
+    "kv_retained_bytes_mean",
+    "kv_retained_bytes_peak",
+    "correct_samples",
+    "tokens_per_correct",
+    "decode_seconds_per_correct",
 )
 RUN_CONFIG_KEYS = (POLICY_KEY, TASK_KEY, "model.key", "ratio", "budget", "policy.n_protect", "policy.attn_temperature")
 MEDIA_KINDS = ("tables", "figures", "charts")
+#: the config keys that tell a sweep's cells apart without a report.json: the policy and the ablation's parameters
+DEFAULT_CELL_KEYS = (POLICY_KEY, "policy.n_protect", "policy.attn_temperature")
+#: the entity of a dashboard built only to print it (no --entity): it cannot be saved
+UNSET_ENTITY = "ENTITY-UNSET"
 
 
 @dataclass(frozen=True)
@@ -80,6 +94,9 @@ class Section:
         media: regular expressions; a table / figure / chart key of the report that matches one of them (``re.match``)
             is shown in this section. Each key belongs to exactly one section.
         group_by_task: also split the runs by task (the sections whose panels compare policies within a task).
+        requires: regular expressions; with a ``report.json``, the section is shown only when one of its media keys
+            matches one (the ablation only for a tree with an ablation grid, the GSM8K pilot only for GSM8K runs).
+            Empty: always shown.
     """
 
     title: str
@@ -87,17 +104,12 @@ class Section:
     run_panels: Callable[[Any], list]
     media: tuple[str, ...]
     group_by_task: bool = True
+    requires: tuple[str, ...] = ()
 
 
 def _bars(wr: Any, title: str, metrics: Sequence[str], orientation: str = "v") -> Any:
-    return wr.BarPlot(
-        title=title,
-        metrics=[wr.SummaryMetric(m) for m in metrics],
-        orientation=orientation,
-        groupby=wr.Config(POLICY_KEY),
-        groupby_aggfunc="mean",
-        groupby_rangefunc="stderr",
-    )
+    """One bar per group of the runset (grouped by the cell's keys: :func:`cell_keys`), its runs averaged."""
+    return wr.BarPlot(title=title, metrics=[wr.SummaryMetric(m) for m in metrics], orientation=orientation)
 
 
 def _scatter(wr: Any, title: str, x: Any, y: Any, **kw: Any) -> Any:
@@ -177,6 +189,20 @@ def _pilot(wr: Any) -> list:
     return [_bars(wr, "pass@1 per policy (the pilot's bars)", ["accuracy"]), _bars(wr, "loop rate", ["loop_rate"])]
 
 
+def _per_policy(wr: Any) -> list:
+    return [_bars(wr, "pass@1 per policy", ["accuracy"]), _bars(wr, "loop rate", ["loop_rate"])]
+
+
+def _comparisons(wr: Any) -> list:
+    s = wr.SummaryMetric
+    return [
+        _scatter(wr, "pass@1 vs mean retained KV per sample (bytes)", s("kv_retained_bytes_mean"), s("accuracy")),
+        _bars(wr, "retained KV per sample: mean, peak (bytes)", ["kv_retained_bytes_mean", "kv_retained_bytes_peak"]),
+        _bars(wr, "cost per correct sample: generated tokens", ["tokens_per_correct"]),
+        _bars(wr, "cost per correct sample: decode seconds", ["decode_seconds_per_correct"]),
+    ]
+
+
 def _diversity(wr: Any) -> list:
     text = (
         "Kept-set overlap is computed from `kept_sets/*.npz` on disk (runs launched with `record_kept=true`), not "
@@ -192,6 +218,14 @@ SECTIONS: tuple[Section, ...] = (
         "average (method.md §4; docs/analysis.md: definitions).",
         _main_table,
         (r"tables/accuracy_", r"tables/summary$", r"charts/accuracy_(?!vs_)"),
+    ),
+    Section(
+        "Comparisons: confidence intervals, paired differences, matched memory",
+        "pass@1 with 95 % bootstrap intervals over problems and the spread between seeds; paired differences (same "
+        "problem, seed and sample) against the full cache and between policies, Holm-adjusted over the grid; "
+        "accuracy against the mean KV bytes a sample retained, and the cost per correct sample (docs/analysis.md).",
+        _comparisons,
+        (r"tables/statistics_", r"tables/paired_", r"figures/matched_memory_"),
     ),
     Section(
         "Failure modes: loops, garbage, truncation",
@@ -216,27 +250,38 @@ SECTIONS: tuple[Section, ...] = (
         _budget,
         (r"figures/accuracy_vs_", r"charts/accuracy_vs_"),
         group_by_task=False,
+        requires=(r"figures/accuracy_vs_", r"charts/accuracy_vs_"),
     ),
     Section(
         "Ablation: protection × attention temperature",
         "VaSE-AttnV's protected value slots (`n_protect`) against its attention temperature (the `vase_ablation` "
         "sweep): the paper's heatmap.",
         _ablation,
-        (r"figures/ablation_",),
+        (r"figures/ablation_", r"tables/ablation_"),
         group_by_task=False,
+        requires=(r"figures/ablation_", r"tables/ablation_"),
     ),
     Section(
         "GSM8K pilot: accuracy per policy",
         "The pilot's bar chart (full, random, evict_large_value, SnapKV and its variants, VaSE-AttnV, CurDKV / "
-        "VaSE-DKV; the `gsm8k_pilot` sweep); `accuracy_bars_*` for the other tasks.",
+        "VaSE-DKV; the `gsm8k_pilot` sweep).",
         _pilot,
-        (r"figures/gsm8k_pilot_", r"figures/accuracy_bars_"),
+        (r"figures/gsm8k_pilot_",),
+        requires=(r"figures/gsm8k_pilot_",),
+    ),
+    Section(
+        "Accuracy per policy, other tasks",
+        "pass@1 per policy as bars, one chart per task other than GSM8K (`accuracy_bars_*`).",
+        _per_policy,
+        (r"figures/accuracy_bars_",),
+        requires=(r"figures/accuracy_bars_",),
     ),
     Section(
         "Cache diversity",
         "Mean Jaccard overlap of the kept sets across heads, layers and samples (lower = more diverse).",
         _diversity,
         (r"tables/diversity$", r"figures/cache_diversity$"),
+        requires=(r"tables/diversity$", r"figures/cache_diversity$"),
     ),
 )
 
@@ -271,6 +316,25 @@ def assign_media(manifest: dict | None, sections: Sequence[Section] = SECTIONS) 
     return out
 
 
+def shown_sections(manifest: dict | None, sections: Sequence[Section] = SECTIONS) -> list[int]:
+    """Indices of the sections to build: every one without ``manifest``; with it, those whose ``requires`` is empty
+    or matched by one of its media keys (no GSM8K pilot section for a MATH ablation)."""
+    if manifest is None:
+        return list(range(len(sections)))
+    keys = [k for kind in MEDIA_KINDS for k in manifest.get(kind, [])]
+    return [
+        i for i, s in enumerate(sections) if not s.requires or any(re.match(p, k) for p in s.requires for k in keys)
+    ]
+
+
+def cell_keys(manifest: dict | None) -> list[str]:
+    """The run config keys whose values tell the sweep's cells apart (the runsets group by them, so ablation cells
+    get a bar each): the policy class and the hyper-parameters in the report's policy identities (``report.json``'s
+    ``cell_keys``), else :data:`DEFAULT_CELL_KEYS`."""
+    keys = (manifest or {}).get("cell_keys")
+    return list(dict.fromkeys([POLICY_KEY, *keys])) if keys is not None else list(DEFAULT_CELL_KEYS)
+
+
 def _filters(group: str, summary: bool) -> list:
     from wandb_workspaces import expr
 
@@ -287,29 +351,32 @@ def media_panels(wr: Any, media: dict[str, list[str]]) -> list:
     return panels
 
 
-def _runsets(wr: Any, entity: str, project: str, group: str, section: Section) -> tuple[Any, Any]:
-    by = ([f"config.{TASK_KEY}"] if section.group_by_task else []) + [f"config.{POLICY_KEY}"]
+def _runsets(wr: Any, entity: str, project: str, group: str, section: Section, cells: list[str]) -> tuple[Any, Any]:
+    by = ([f"config.{TASK_KEY}"] if section.group_by_task else []) + [f"config.{k}" for k in cells]
     runs = wr.Runset(entity=entity, project=project, name="sweep runs", filters=_filters(group, False), groupby=by)
     summary = wr.Runset(entity=entity, project=project, name="report (summary run)", filters=_filters(group, True))
     return runs, summary
 
 
 def build_report(
-    entity: str, project: str, group: str, manifest: dict | None = None, title: str | None = None
+    entity: str | None, project: str, group: str, manifest: dict | None = None, title: str | None = None
 ) -> wr.Report:
     """The dashboard as a W&B report: per :data:`SECTIONS` entry a heading, a paragraph, a panel grid over the sweep's
     runs and, when ``manifest`` lists media for it, a panel grid over the report's summary run. Nothing is saved."""
     import wandb_workspaces.reports.v2 as wr
 
+    entity = _entity(entity)
     _check_names(entity, project, group)
+    cells = cell_keys(manifest)
     blocks: list = [
         wr.P(
             f"The paper's tables and figures for the sweep group `{group}`, built by `scripts/dashboard.py`. "
             "Live panels read the sweep's runs; the report panels read its summary run (`scripts/report.py`)."
         )
     ]
-    for section, media in zip(SECTIONS, assign_media(manifest)):
-        runs, summary = _runsets(wr, entity, project, group, section)
+    media_of = assign_media(manifest)
+    for section, media in ((SECTIONS[i], media_of[i]) for i in shown_sections(manifest)):
+        runs, summary = _runsets(wr, entity, project, group, section, cells)
         blocks += [
             wr.H1(section.title),
             wr.P(section.text),
@@ -328,25 +395,40 @@ def build_report(
     )
 
 
-def build_workspace(entity: str, project: str, group: str, manifest: dict | None = None) -> ws.Workspace:
+def build_workspace(entity: str | None, project: str, group: str, manifest: dict | None = None) -> ws.Workspace:
     """The dashboard as a saved W&B workspace view: one open section per :data:`SECTIONS` entry (its run panels,
-    then its report panels), the runs filtered to ``group`` and grouped by policy. Nothing is saved."""
+    then its report panels), the runs filtered to ``group`` and grouped by the cells' keys (:func:`cell_keys`).
+    Nothing is saved."""
     import wandb_workspaces.reports.v2 as wr
     import wandb_workspaces.workspaces as ws
     from wandb_workspaces import expr
 
+    entity = _entity(entity)
     _check_names(entity, project, group)
+    media_of = assign_media(manifest)
     sections = [
-        ws.Section(name=s.title, panels=s.run_panels(wr) + media_panels(wr, media), is_open=True)
-        for s, media in zip(SECTIONS, assign_media(manifest))
+        ws.Section(
+            name=SECTIONS[i].title, panels=SECTIONS[i].run_panels(wr) + media_panels(wr, media_of[i]), is_open=True
+        )
+        for i in shown_sections(manifest)
     ]
     return ws.Workspace(
         entity=entity,
         project=project,
         name=f"vase paper figures: {group}",
         sections=sections,
-        runset_settings=ws.RunsetSettings(filters=[expr.Metric("Group") == group], groupby=[expr.Config(POLICY_KEY)]),
+        runset_settings=ws.RunsetSettings(
+            filters=[expr.Metric("Group") == group], groupby=[expr.Config(k) for k in cell_keys(manifest)]
+        ),
     )
+
+
+def _entity(entity: str | None) -> str:
+    """``entity``, or :data:`UNSET_ENTITY` when it is None (a dashboard built to print; :func:`publish` refuses it)."""
+    if entity is None:
+        logger.info("no W&B entity given: the dashboard can be printed, not saved")
+        return UNSET_ENTITY
+    return entity
 
 
 def _check_names(entity: str, project: str, group: str) -> None:
@@ -366,11 +448,15 @@ def outline(dashboard: Any) -> list[dict]:
                 sections.append({"title": block.text, "grids": []})
             elif kind == "PanelGrid" and sections:
                 filters = [str(rs.filters) for rs in block.runsets]
-                sections[-1]["grids"].append({"filters": filters, "panels": [_binds(p) for p in block.panels]})
+                groupby = [g for rs in block.runsets for g in (rs.groupby or [])]
+                panels = [_binds(p) for p in block.panels]
+                sections[-1]["grids"].append({"filters": filters, "groupby": groupby, "panels": panels})
     else:
         for s in dashboard.sections:
             filters = [str(dashboard.runset_settings.filters)]
-            sections.append({"title": s.name, "grids": [{"filters": filters, "panels": [_binds(p) for p in s.panels]}]})
+            groupby = [_key(g) for g in dashboard.runset_settings.groupby]
+            grid = {"filters": filters, "groupby": groupby, "panels": [_binds(p) for p in s.panels]}
+            sections.append({"title": s.name, "grids": [grid]})
     return sections
 
 
@@ -398,5 +484,7 @@ def _binds(panel: Any) -> dict:
 
 def publish(dashboard: Any) -> str:
     """Save the report (or workspace) to W&B (needs ``wandb login`` and the network); return its URL."""
+    if getattr(dashboard, "entity", None) == UNSET_ENTITY:
+        raise ValueError("--entity: required to --save (a W&B entity name, or set WANDB_ENTITY)")
     dashboard.save()
     return str(dashboard.url)

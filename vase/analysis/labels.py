@@ -1,10 +1,13 @@
 """What the analysis calls things: task and policy display names and orders, policy identities, operating points.
 
 * **Policy identity** (the ``policy`` column): the policy's name plus every hyper-parameter that varies across the
-  tree's runs of that policy and differs from the policy class's default, e.g. ``vase_attnv[attn_temperature=2.0]``
-  (an ablation sweep gives one row per setting). The protocol preset counts as one when the tree holds runs of
-  several (``vase_attnv[protocol=paper]``): runs of two protocols are never pooled. ``budget`` is an axis, never part
-  of the identity.
+  tree's runs of that policy, e.g. ``vase_attnv[attn_temperature=2.0]`` (an ablation sweep gives one row per setting);
+  every run of the policy shows the same keys, the one at the class default included (``attn_temperature=1``), so
+  ablation cells sort by their values and none passes for another method. The protocol preset counts as one when the
+  tree holds runs of several (``vase_attnv[protocol=paper]``): runs of two protocols are never pooled. ``budget`` is
+  an axis, never part of the identity.
+* **Selection policies** (``kind = "selection"``: Quest, SeerAttention-R) keep the full cache: their ``method`` and
+  ``short`` labels say so (:data:`FULL_CACHE_KEPT`).
 * **Operating point** (``op``): ``4x`` for a run whose budget was derived from ``ratio``, else ``B=<budget>`` (an
   explicit ``budget=``): the run's ``budget_source`` when it records one, else judged from the saved config (the saved
   budget equals the runner's ``reference output tokens / ratio`` rounded to the window). The full cache is
@@ -112,6 +115,8 @@ CLASS_LABELS = {
     "prompt_too_long": "Prompt too long",
 }
 NOT_HYPERPARAMETERS = ("_target_", "budget", "name", "kind")
+#: what tables and figures say of a selection policy (Quest, SeerAttention-R): it attends to a subset, holds every token
+FULL_CACHE_KEPT = "full cache kept"
 MISSING = "–"
 # short hyper-parameter names for figure labels (tables spell them out)
 PARAM_ABBREVIATIONS = {
@@ -123,6 +128,16 @@ PARAM_ABBREVIATIONS = {
     "smooth_kernel": "kernel",
     "sample": "sample",
     "window": "W",
+}
+
+
+#: axis names of the hyper-parameters an ablation grid shows
+PARAM_NAMES = {
+    "n_protect": "protected value slots (n_protect)",
+    "attn_temperature": "attention temperature T",
+    "rkv_lambda": "R-KV λ",
+    "sinks": "sink tokens",
+    "smooth_kernel": "smoothing kernel",
 }
 
 
@@ -204,15 +219,16 @@ def label_policies(runs: pd.DataFrame) -> pd.DataFrame:
         varying[name] = [k for k in keys if len({json.dumps(d.get(k), default=str) for d in dicts}) > 1]
     for i, run in runs.iterrows():
         params = identity(run["params"], run["policy_target"], protocols[i])
-        defaults = policy_defaults(run["policy_target"])
-        shown = [
-            (k, params.get(k)) for k in varying[run["policy_name"]] if k not in defaults or params.get(k) != defaults[k]
-        ]
+        # every hyper-parameter that varies across the policy's runs, on every run (a cell at the class default too)
+        shown = [(k, params.get(k)) for k in varying[run["policy_name"]]]
         base = run["policy_name"]
         labels.append(base + ("[" + ",".join(f"{k}={fmt_value(v)}" for k, v in shown) + "]" if shown else ""))
         display = policy_display_name(base, run["policy_target"])
-        methods.append(display + (" (" + ", ".join(f"{k}={fmt_value(v)}" for k, v in shown) + ")" if shown else ""))
-        shorts.append(display + "".join(f" {PARAM_ABBREVIATIONS.get(k, k)}={fmt_value(v)}" for k, v in shown))
+        kept = f" ({FULL_CACHE_KEPT})" if run["policy_kind"] == "selection" else ""
+        methods.append(
+            display + (" (" + ", ".join(f"{k}={fmt_value(v)}" for k, v in shown) + ")" if shown else "") + kept
+        )
+        shorts.append(display + "".join(f" {PARAM_ABBREVIATIONS.get(k, k)}={fmt_value(v)}" for k, v in shown) + kept)
     runs["policy"] = labels
     runs["method"] = methods
     runs["short"] = shorts

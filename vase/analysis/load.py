@@ -43,9 +43,12 @@ SAMPLE_COLUMNS = (
     "output_tokens",
     "held_tokens_end",
     "held_tokens_mean",
+    "held_tokens_max",
     "compression_ratio",
     "kv_held_bytes_end",
     "kv_full_bytes_end",
+    "kv_retained_bytes_mean",
+    "kv_retained_bytes_peak",
     "decode_steps",
     "evictions",
     "eviction_seconds",
@@ -80,10 +83,12 @@ class Tree:
         root: the directory that was walked.
         runs: one row per run directory: ``run_id``, ``run_dir``, ``model``, ``task``, ``policy_name``,
             ``policy_kind``, ``params`` (JSON of the hyper-parameters), ``budget``, ``window``, ``ratio``, ``seed``,
-            ``group`` (``logger.group``), ``protocol`` (the preset's name), ``complete``, ``source`` and, after
+            ``group`` (``logger.group``), ``protocol`` (the preset's name), ``complete``, ``source``, ``machine``
+            (:func:`machine_name`), ``identity`` (:func:`drop_duplicate_runs`) and, after
             :func:`label_policies`, ``policy``, ``method`` and ``op``.
         samples: one row per sample (``run_id`` + :data:`SAMPLE_COLUMNS`, ``answered``, ``answered_<rule>``; the
-            ``correct_<rule>`` columns hold every grader rule's verdict on the same output), deduplicated on
+            ``correct_<rule>`` columns hold every grader rule's verdict on the same output; ``output``, the generated
+            text, with ``load_tree(..., with_output=True)``), deduplicated on
             ``(problem_id, sample)`` within a run; a key a run did not write is missing (NaN / None).
         throughput: one row per ``throughput.jsonl`` line, i.e. per stretch of decoding (``run_id`` +
             :data:`THROUGHPUT_COLUMNS`); every line counts (each is wall-clock time that really ran).
@@ -162,8 +167,10 @@ def _frame(rows: list[dict], columns: Sequence[str], run_id: int) -> pd.DataFram
     return df
 
 
-def load_run(run_dir: str | Path, run_id: int = 0) -> tuple[dict, pd.DataFrame, pd.DataFrame, dict | None]:
-    """Read one run directory.
+def load_run(
+    run_dir: str | Path, run_id: int = 0, *, with_output: bool = False
+) -> tuple[dict, pd.DataFrame, pd.DataFrame, dict | None]:
+    """Read one run directory (``with_output``: the samples keep their generated text, column ``output``).
 
     Returns:
         ``(run, samples, throughput, metrics)``: ``run`` is the run's row of :attr:`Tree.runs`; ``samples`` its
@@ -184,7 +191,7 @@ def load_run(run_dir: str | Path, run_id: int = 0) -> tuple[dict, pd.DataFrame, 
             OLD_BATCHES,
             THROUGHPUT,
         )
-    samples = _frame(sample_rows, SAMPLE_COLUMNS, run_id)
+    samples = _frame(sample_rows, (*SAMPLE_COLUMNS, "output") if with_output else SAMPLE_COLUMNS, run_id)
     samples["answered"] = [r.get("extracted") is not None for r in sample_rows]
     for rule in GRADER_RULES:  # None where a sample does not carry the rule (a task with one grader, an older run)
         key = f"extracted_{rule}"
@@ -226,8 +233,36 @@ def load_run(run_dir: str | Path, run_id: int = 0) -> tuple[dict, pd.DataFrame, 
         "source": SAMPLES if sample_rows else ("metrics.json" if metrics is not None else "none"),
         "problems": int(samples["problem_id"].nunique()) if n else int(m.get("problems") or 0),
         "samples": n if n else int(m.get("samples") or 0),
+        "machine": machine_name(_read_json(run_dir / "manifest.json")),
     }
+    run["identity"] = stable_hash({k: run[k] for k in _IDENTITY_KEYS})
     return run, samples, throughput, metrics
+
+
+#: what makes two run directories the same run (:func:`drop_duplicate_runs`); ``setting`` hashes ``protocol.json``
+_IDENTITY_KEYS = (
+    "model",
+    "task",
+    "policy_name",
+    "params",
+    "budget",
+    "ratio_derived",
+    "window",
+    "ratio",
+    "seed",
+    "protocol",
+    "setting",
+)
+
+
+def machine_name(manifest: dict | None) -> str | None:
+    """The machine a run decoded on, from its ``manifest.json``: the CUDA device's name, else ``CPU (<n> cores)``."""
+    device = (manifest or {}).get("device")
+    if not isinstance(device, dict):
+        return None
+    if device.get("cuda_device"):
+        return str(device["cuda_device"])
+    return f"CPU ({device['cpus']} cores)" if device.get("cpus") else "CPU"
 
 
 def resolve_budget(reference_tokens: int, ratio: float, window: int) -> int:
@@ -259,15 +294,56 @@ def _ratio_derived(config: dict, metrics: dict | None = None) -> bool:
         return False
 
 
-def load_tree(root: str | Path) -> Tree:
-    """Load every run under ``root`` (see :func:`find_run_dirs`) and label the policies (:func:`label_policies`)."""
+def _sample_keys(samples: pd.DataFrame) -> frozenset:
+    return frozenset(zip(samples["problem_id"].astype(str), samples["sample"], samples["seed"]))
+
+
+def drop_duplicate_runs(loaded: list[tuple[dict, pd.DataFrame, pd.DataFrame, dict | None]]) -> list:
+    """``loaded`` without the runs that repeat another one (one log line naming them).
+
+    A run repeats another when both have the same identity (model, task, policy and its hyper-parameters, budget,
+    window, ratio, seed, protocol preset and the rest of ``protocol.json``) and its samples (``problem_id``,
+    ``sample``, ``seed``) are a subset of the other's: a copy of a run in a second results folder, or a half-finished
+    copy of it. The run with the most samples is kept (the first in path order among equals). Shards of one run
+    (the same identity, disjoint problems) are all kept.
+    """
+    order = sorted(range(len(loaded)), key=lambda i: -len(loaded[i][1]))
+    kept: dict[str, list[tuple[int, frozenset]]] = {}
+    dropped: dict[int, int] = {}
+    for i in order:
+        run, samples = loaded[i][0], loaded[i][1]
+        keys = _sample_keys(samples)
+        same = kept.setdefault(run["identity"], [])
+        match = next((j for j, other in same if keys <= other and (keys or not other)), None)
+        if match is None:
+            same.append((i, keys))
+        else:
+            dropped[i] = match
+    if dropped:
+        logger.warning(
+            "dropped %d duplicate run(s) (same protocol and samples as a run kept): %s",
+            len(dropped),
+            "; ".join(f"{loaded[i][0]['run_dir']} (= {loaded[j][0]['run_dir']})" for i, j in sorted(dropped.items())),
+        )
+    return [x for i, x in enumerate(loaded) if i not in dropped]
+
+
+def load_tree(root: str | Path, *, with_output: bool = False, drop_duplicates: bool = True) -> Tree:
+    """Load every run under ``root`` (see :func:`find_run_dirs`) and label the policies (:func:`label_policies`).
+
+    Args:
+        with_output: keep each sample's generated text (``tree.samples["output"]``; off by default: it is most of
+            the size of ``samples.jsonl``).
+        drop_duplicates: drop the runs that repeat another one (:func:`drop_duplicate_runs`), so no sample of the
+            same run counts twice.
+    """
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"results_dir: no such directory: {root}")
-    runs, samples, throughput, metrics, skipped = [], [], [], {}, []
+    loaded, skipped = [], []
     for run_dir in find_run_dirs(root):
         try:
-            run, s, t, m = load_run(run_dir, run_id=len(runs))
+            run, s, t, m = load_run(run_dir, run_id=len(loaded), with_output=with_output)
         except (ValueError, OSError, yaml.YAMLError) as err:
             logger.warning("skipping %s: %s", run_dir, err)
             skipped.append((str(run_dir), str(err)))
@@ -282,6 +358,11 @@ def load_tree(root: str | Path) -> Tree:
                 run["problems"],
                 run["samples"],
             )
+        loaded.append((run, s, t, m))
+    if drop_duplicates:
+        loaded = drop_duplicate_runs(loaded)
+    runs, samples, throughput, metrics = [], [], [], {}
+    for run, s, t, m in loaded:
         runs.append(run)
         samples.append(s)
         throughput.append(t)

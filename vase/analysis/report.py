@@ -4,6 +4,8 @@ Pipeline (what ``scripts/report.py`` runs)::
 
     tree = load_tree("results/")            # load: one row per run, every sample, every throughput.jsonl line
     summary = summarize(tree)               # aggregate: one row per (model, task, policy, operating point)
+    summary = cell_statistics(tree, summary)  # comparisons: 95 % bootstrap CI by problem, spread between seeds
+    pairs = paired_comparisons(tree, summary) # paired differences (same problem, seed, sample), Holm over the grid
     tables = paper_tables(summary)          # tables: accuracy (± SE, five-task avg), failures, efficiency, summary
     figures = paper_figures(tree, summary)  # figures: accuracy vs budget, failure modes, lengths, throughput, ...
     log_to_wandb(tables, figure_paths, summary, group=...)  # wandb_summary: the summary run
@@ -19,7 +21,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from vase.analysis.aggregate import summarize
+from vase.analysis.aggregate import AblationGrid, ablation_grids, operating_points, summarize
+from vase.analysis.comparisons import (
+    ablation_table,
+    cell_samples,
+    cell_statistics,
+    paired_comparisons,
+    paired_table,
+    statistics_table,
+)
 from vase.analysis.diversity import diversity_table
 from vase.analysis.figures import paper_figures, save_figure
 from vase.analysis.load import Tree, load_tree
@@ -70,9 +80,12 @@ def build_report(
         if stale:
             logger.info("removed %d old files from %s", len(stale), out / sub)
     summary = summarize(tree)
+    cells = cell_samples(tree)
+    summary = cell_statistics(tree, summary, cells=cells)  # 95 % bootstrap CIs by problem, the spread between seeds
     summary.attrs["root"] = str(Path(results_dir).resolve())
+    pairs = paired_comparisons(tree, summary, cells=cells)  # paired differences, Holm over the whole grid
     diversity = diversity_table(tree)
-    tables = paper_tables(summary, diversity)
+    tables = paper_tables(summary, diversity) + statistics_tables(summary, pairs)
     table_paths = [p for t in tables for p in write_table(t, out / "tables")]
     figs = paper_figures(tree, summary, diversity)
     figure_paths = []
@@ -94,12 +107,37 @@ def build_report(
             entity=entity,
         )
     manifest = {"group": group, "project": project, "entity": entity, "wandb_run_id": report.wandb_run_id}
+    manifest["cell_keys"] = cell_config_keys(summary)
     manifest |= logged_keys(tables, figure_paths, summary)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     logger.info(
         "report: %d tables, %d figure files, %d skipped -> %s", len(tables), len(figure_paths), len(skipped), out
     )
     return report
+
+
+def cell_config_keys(summary: pd.DataFrame) -> list[str]:
+    """The run config keys of the hyper-parameters in the summary's policy identities (``vase_attnv[n_protect=16]``:
+    ``policy.n_protect``; the preset: ``protocol.name``), in first-seen order: what tells the cells apart on W&B."""
+    keys: dict[str, None] = {}
+    for label in summary["policy"]:
+        inner = str(label).partition("[")[2].rstrip("]")
+        for part in filter(None, inner.split(",")):
+            k = part.split("=", 1)[0]
+            keys["protocol.name" if k == "protocol" else f"policy.{k}"] = None
+    return list(keys)
+
+
+def statistics_tables(summary: pd.DataFrame, pairs: pd.DataFrame) -> list[Table]:
+    """Per model and operating point the CI / seed table; per model the paired comparisons (when any pair shares
+    samples); each ablation as a grid (``n_protect`` x ``attn_temperature``)."""
+    out = []
+    for model in sorted(summary["model"].unique()):
+        out += [statistics_table(summary, model, op) for op in operating_points(summary, model)]
+        if not pairs.empty and (pairs["model"] == model).any():
+            out.append(paired_table(pairs, model))
+    out += [ablation_table(g) for g in ablation_grids(summary) if isinstance(g, AblationGrid)]
+    return out
 
 
 def _write_index(

@@ -198,6 +198,10 @@ EFFICIENCY_COLUMNS = (
     "kv_held_bytes_mean",
     "kv_full_bytes_mean",
     "kv_full_bytes_max",
+    "kv_retained_bytes_mean",
+    "kv_retained_bytes_peak",
+    "tokens_per_correct",
+    "decode_seconds_per_correct",
     "peak_memory_bytes",
     "prefill_seconds",
     "decode_seconds",
@@ -229,6 +233,10 @@ def efficiency_table(summary: pd.DataFrame, model: str, op: str) -> Table:
             "Allocated KV MiB": (data["kv_allocated_bytes"] / mib).map(lambda x: _fmt(x, 1)),
             "KV held / sample MiB": (data["kv_held_bytes_mean"] / mib).map(lambda x: _fmt(x, 2)),
             "Full KV / sample MiB": (data["kv_full_bytes_mean"] / mib).map(lambda x: _fmt(x, 2)),
+            "Retained KV mean MiB": (data["kv_retained_bytes_mean"] / mib).map(lambda x: _fmt(x, 2)),
+            "Retained KV peak MiB": (data["kv_retained_bytes_peak"] / mib).map(lambda x: _fmt(x, 2)),
+            "Tokens / correct": data["tokens_per_correct"].map(lambda x: _fmt(x, 0)),
+            "Decode s / correct": data["decode_seconds_per_correct"].map(lambda x: _fmt(x, 2)),
             "Peak GiB": (data["peak_memory_bytes"] / gib).map(lambda x: _fmt(x, 2)),
             "Evictions": data["evictions"].map(lambda x: _fmt(x, 0)),
         }
@@ -243,6 +251,11 @@ def efficiency_table(summary: pd.DataFrame, model: str, op: str) -> Table:
             "KV held / sample: what the policy holds at a sample's end; full KV / sample: what a full cache would "
             "hold then (means over the samples decoded to the end). Rows in flight: the most decoding together; mean "
             "rows: per decode step. Peak: CUDA max allocated, or the process's peak RSS on CPU.",
+            "Retained KV: the K/V bytes a sample's cache holds over every layer and KV head (held tokens x bytes per "
+            "token), mean over its decode steps (averaged over samples) and peak (the most any sample held), beside "
+            "the nominal budget (tokens per layer and KV head). Selection policies keep the full cache. Tokens / "
+            "correct: generated tokens of every sample per correct sample; decode s / correct: decode wall time per "
+            "correct sample (– without a correct one).",
         ],
         label_cols=2,
     )

@@ -12,16 +12,21 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from vase.analysis.figures import new_figure, save_figure
+from vase.analysis.figure_base import COLUMN_WIDTH, new_figure, save_figure
 from vase.analysis.value_analysis import POSITION_BUCKETS, SINKS, ValueAnalysis
 
 logger = logging.getLogger(__name__)
 
 
+def _width(inches: float) -> float:
+    """A figure width between one and two paper columns (:data:`COLUMN_WIDTH`): fonts stay >= 7 pt when printed."""
+    return min(max(inches, COLUMN_WIDTH), 2 * COLUMN_WIDTH)
+
+
 def plot_distributions(df: pd.DataFrame, title: str = "") -> Figure:
     """Violins of the value range and the L2 norm per layer (log scale)."""
     layers = sorted(df["layer"].unique())
-    fig = new_figure(max(6.0, 1.1 * len(layers) + 3), 4.2)
+    fig = new_figure(_width(0.55 * len(layers) + 1.6), 2.6)
     axes = fig.subplots(1, 2)
     for ax, stat, color in zip(axes, ("range", "l2"), ("#1f77b4", "#ff7f0e")):
         data = [np.log10(np.clip(df.loc[df["layer"] == li, stat].to_numpy(), 1e-6, None)) for li in layers]
@@ -40,7 +45,7 @@ def plot_distributions(df: pd.DataFrame, title: str = "") -> Figure:
 def plot_share_above(stats: pd.DataFrame, title: str = "") -> Figure:
     """Grouped bars: share of tokens whose range exceeds k × their (layer, head) median, per layer."""
     cols = [c for c in stats.columns if c.startswith("share_above_")]
-    fig = new_figure(max(5.5, 0.9 * len(stats) + 3), 3.8)
+    fig = new_figure(_width(0.45 * len(stats) + 1.2), 2.4)
     ax = fig.add_subplot()
     x = np.arange(len(stats))
     w = 0.8 / max(1, len(cols))
@@ -54,7 +59,7 @@ def plot_share_above(stats: pd.DataFrame, title: str = "") -> Figure:
     ax.set_xticks(x, stats["layer"].astype(str))
     ax.set_xlabel("layer")
     ax.set_ylabel("% of tokens (per head median)")
-    ax.legend(fontsize=8)
+    ax.legend()
     ax.grid(axis="y", alpha=0.3)
     ax.set_title(title or "Share of large-value tokens")
     return fig
@@ -67,7 +72,7 @@ def plot_locations(loc: pd.DataFrame, title: str = "") -> Figure:
     layers = sorted(b["layer"].unique())
     labels = [x[2] for x in POSITION_BUCKETS]
     colors = ["#d62728", "#ff7f0e", "#bcbd22", "#2ca02c", "#17becf", "#1f77b4"]
-    fig = new_figure(7.5, 0.45 * (len(layers) + 1) + 2)
+    fig = new_figure(2 * COLUMN_WIDTH, 0.22 * (len(layers) + 1) + 1.2)
     ax = fig.add_subplot()
     rows = [f"layer {li} (large)" for li in layers] + ["all tokens"]
     left = np.zeros(len(rows))
@@ -87,7 +92,7 @@ def plot_locations(loc: pd.DataFrame, title: str = "") -> Figure:
 
 def plot_top_tokens(tokens: pd.DataFrame, title: str = "") -> Figure:
     """Horizontal bars: the text tokens most often large-valued (count over layers × heads × occurrences)."""
-    fig = new_figure(6.5, 0.28 * max(len(tokens), 1) + 1.5)
+    fig = new_figure(2 * COLUMN_WIDTH, 0.16 * max(len(tokens), 1) + 1.0)
     ax = fig.add_subplot()
     labels = [f"{t!r} @{p}" if p >= 0 else repr(t) for t, p in zip(tokens["text"], tokens["sink_position"])]
     ax.barh(np.arange(len(tokens)), tokens["large"], color="#1f77b4")
@@ -95,7 +100,7 @@ def plot_top_tokens(tokens: pd.DataFrame, title: str = "") -> Figure:
     ax.invert_yaxis()
     ax.set_xlabel("large-value (layer, head, position) entries")
     definition = tokens["definition"].iloc[0] if len(tokens) else ""
-    ax.set_title(title or f"Tokens with large values ({definition}); @p: also a sink at position p", fontsize=9)
+    ax.set_title(title or f"Tokens with large values ({definition}); @p: also a sink at position p")
     return fig
 
 
@@ -121,9 +126,9 @@ def plot_quant_error(
     (:data:`CORRELATIONS`) in the titles."""
     column, symbol, _ = CORRELATIONS[correlation]
     layers = sorted(df["layer"].unique())
-    cols = min(len(layers), 5)
+    cols = min(len(layers), 3)
     rows = int(np.ceil(len(layers) / cols))
-    fig = new_figure(3.2 * cols, 2.9 * rows)
+    fig = new_figure(_width(2.2 * cols), 1.7 * rows + 0.5)
     axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
     col = f"qerr_b{bits}_g{group_size}"
     rng = np.random.default_rng(seed)
@@ -140,12 +145,14 @@ def plot_quant_error(
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.tick_params(labelsize=7)
-        ax.set_title(f"layer {li}: {symbol.split()[-1]} = {rho:.2f}", fontsize=9)
-        ax.set_xlabel("value range", fontsize=8)
-        ax.set_ylabel("relative error", fontsize=8)
+        ax.set_title(f"layer {li}: {symbol.split()[-1]} = {rho:.2f}")
+        if ax in axes[(rows - 1) * cols :] or li == layers[-1]:
+            ax.set_xlabel("value range")
+        if list(axes).index(ax) % cols == 0:
+            ax.set_ylabel("relative error")
     for ax in axes[len(layers) :]:
         ax.set_visible(False)
-    fig.suptitle(title or f"Value range vs {bits}-bit quantization error (groups of {group_size}); red: sinks")
+    fig.suptitle(title or f"Value range vs {bits}-bit quantization error\n(groups of {group_size}; red: sinks)")
     return fig
 
 
@@ -154,12 +161,12 @@ def plot_correlation_heatmap(corr: pd.DataFrame, title: str = "", correlation: s
     column, symbol, what = CORRELATIONS[correlation]
     corr = corr.assign(setting=[f"{b}b/g{g}" for b, g in zip(corr["bits"], corr["group_size"])])
     grid = corr.pivot(index="setting", columns="layer", values=column)
-    fig = new_figure(1.0 * grid.shape[1] + 3, 0.55 * grid.shape[0] + 1.8)
+    fig = new_figure(_width(0.6 * grid.shape[1] + 1.6), 0.3 * grid.shape[0] + 1.2)
     ax = fig.add_subplot()
     im = ax.imshow(grid.to_numpy(dtype=float), cmap="coolwarm", vmin=-1, vmax=1, aspect="auto")
     for i in range(grid.shape[0]):
         for j in range(grid.shape[1]):
-            ax.text(j, i, f"{grid.iat[i, j]:.2f}", ha="center", va="center", fontsize=8)
+            ax.text(j, i, f"{grid.iat[i, j]:.2f}", ha="center", va="center")
     ax.set_xticks(range(grid.shape[1]), [str(c) for c in grid.columns])
     ax.set_yticks(range(grid.shape[0]), list(grid.index))
     ax.set_xlabel("layer")
@@ -217,5 +224,5 @@ def write_outputs(
     for b, g in settings if scatter is None else scatter:
         figs[f"quant_error_b{b}_g{g}"] = plot_quant_error(res.records, res.correlation, b, g, correlation=correlation)
     for name, fig in figs.items():
-        paths += save_figure(fig, out, name, formats, dpi=100)
+        paths += save_figure(fig, out, name, formats, dpi=200)
     return paths

@@ -49,14 +49,7 @@ from vase.models import check_architecture
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "FINISH_REASONS",
-    "Decoder",
-    "Finished",
-    "Request",
-    "StepInfo",
-    "vase_attention",
-]
+__all__ = ["FINISH_REASONS", "Decoder", "Finished", "Request", "StepInfo", "vase_attention"]
 
 FINISH_REASONS = ("eos", "stop", "length", "loop", "nonfinite", "prompt_too_long")
 STOP_WHEN_EVERY = 16  # ``stop_when`` is asked every this many tokens of a row
@@ -93,9 +86,10 @@ class Finished:
         finish_reason: one of :data:`FINISH_REASONS`.
         prompt_len: prompt tokens.
         stats: ``decode_steps`` (forwards the row took part in), ``evictions`` (eviction events summed over layers),
-            ``eviction_seconds`` (its share), ``held_tokens`` (mean tokens held per layer and KV head over its
-            decode steps), ``attended_tokens`` (selection policies: mean tokens attended per step, query head and
-            layer), ``first_step`` / ``last_step`` (the decoder's step counter when it entered and ended).
+            ``eviction_seconds`` (its share), ``held_tokens`` / ``held_tokens_max`` (mean / most tokens held per layer
+            and KV head after its decode steps' appends: host-side lengths, no sync), ``attended_tokens`` (selection
+            policies: mean attended per step, query head and layer), ``first_step`` / ``last_step`` (the decoder's
+            step counter when it entered and ended).
     """
 
     key: Any
@@ -158,6 +152,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     produced: int = 0  # tokens sampled so far (the pending ones included)
     held_sum: int = 0
+    held_max: int = 0  # the most tokens held (per layer and KV head) after any of its decode steps' appends
     steps: int = 0
 
 
@@ -398,6 +393,7 @@ class Decoder:
             at_limit = False
             for r, row in enumerate(rows):
                 row.held_sum += held[r]
+                row.held_max = max(row.held_max, held[r])
                 row.steps += 1
                 row.produced += 1
                 at_limit |= row.produced >= row.limit
@@ -476,6 +472,7 @@ class Decoder:
             "evictions": st["evictions"],
             "eviction_seconds": st["eviction_seconds"],
             "held_tokens": row.held_sum / row.steps if row.steps else float(row.prompt_len),
+            "held_tokens_max": max(row.held_max, row.prompt_len),
             "attended_tokens": attended,
             "first_step": row.first_step,
             "last_step": self.step,

@@ -70,6 +70,16 @@ def held_at_end(total: int, prompt_len: int, budget: int | None, window: int | N
     return held + 1
 
 
+def retained_kv_bytes(held_mean: float | None, held_max: int | None, bytes_per_token: int) -> dict:
+    """``kv_retained_bytes_mean`` / ``kv_retained_bytes_peak``: the K/V bytes a sample's cache holds, over the model's
+    every layer and KV head (``bytes_per_token``), averaged over its decode steps / at the most it held (``None`` where
+    the engine did not report the held-token count)."""
+    return {
+        "kv_retained_bytes_mean": held_mean * bytes_per_token if held_mean is not None else None,
+        "kv_retained_bytes_peak": held_max * bytes_per_token if held_max is not None else None,
+    }
+
+
 def sample_row(
     problem,
     finished,
@@ -139,9 +149,11 @@ def sample_row(
         "budget": budget,
         "held_tokens_end": held,
         "held_tokens_mean": st.get("held_tokens"),
+        "held_tokens_max": st.get("held_tokens_max"),
         "compression_ratio": total / held,
         "kv_held_bytes_end": held * bytes_per_token,
         "kv_full_bytes_end": total * bytes_per_token,
+        **retained_kv_bytes(st.get("held_tokens"), st.get("held_tokens_max"), bytes_per_token),
         "decode_steps": st.get("decode_steps", 0),
         "evictions": st.get("evictions", 0),
         "eviction_seconds": st.get("eviction_seconds", 0.0),
@@ -222,6 +234,8 @@ def compute_metrics(
         metrics["kv_full_bytes_max"] = max(r["kv_full_bytes_end"] for r in decoded)
         held = [r["held_tokens_mean"] for r in decoded if r.get("held_tokens_mean") is not None]
         metrics["held_tokens"] = sum(held) / len(held) if held else None
+        metrics.update(retained_kv_metrics(decoded))
+    metrics.update(cost_per_correct(samples, metrics.get("decode_seconds")))
     att = [r["attended_tokens"] for r in samples if r.get("attended_tokens") is not None]
     metrics["attended_tokens"] = sum(att) / len(att) if att else None
     groups = {pid: rs[0].get("meta", {}).get("year") for pid, rs in by_problem.items()}
@@ -230,6 +244,29 @@ def compute_metrics(
             sub = [[r["correct"] for r in rs] for pid, rs in by_problem.items() if groups[pid] == year]
             metrics[f"accuracy/{year}"] = mean_pass_at_1(sub)
     return metrics
+
+
+def retained_kv_metrics(decoded: list[dict]) -> dict:
+    """``kv_retained_bytes_mean`` (the mean over samples of each sample's mean retained KV bytes) and
+    ``kv_retained_bytes_peak`` (the most any sample held), over the samples that record them."""
+    means = [r["kv_retained_bytes_mean"] for r in decoded if r.get("kv_retained_bytes_mean") is not None]
+    peaks = [r["kv_retained_bytes_peak"] for r in decoded if r.get("kv_retained_bytes_peak") is not None]
+    return {
+        "kv_retained_bytes_mean": sum(means) / len(means) if means else None,
+        "kv_retained_bytes_peak": max(peaks) if peaks else None,
+    }
+
+
+def cost_per_correct(samples: list[dict], decode_seconds: float | None) -> dict:
+    """Cost per solved sample: ``tokens_per_correct`` (generated tokens of every sample / correct samples) and
+    ``decode_seconds_per_correct`` (the run's decode wall time / correct samples); ``None`` without a correct one."""
+    correct = sum(bool(r["correct"]) for r in samples)
+    tokens = sum(r["output_tokens"] for r in samples)
+    return {
+        "correct_samples": correct,
+        "tokens_per_correct": tokens / correct if correct else None,
+        "decode_seconds_per_correct": decode_seconds / correct if correct and decode_seconds else None,
+    }
 
 
 def grader_rules(samples: list[dict]) -> list[str]:
