@@ -28,7 +28,7 @@ from vase.engine.cache import cache_capacity
 from vase.models import tiny_config, tiny_model
 
 #: configs whose samples differ between a batch and alone on this CPU (found when the matrix was widened to every
-#: config, issue 28; the same on main before it). Cause, measured for snapkv_protect: a decode step's K/V differ in
+#: config, issue 28; the same on main before it). Cause, measured for both: a decode step's K/V differ in
 #: the last bit (~5e-7) between 3 rows and 1 row in flight (the projections' GEMM rounds differently with the batch
 #: size), and at one eviction two candidates' scores are close enough for that to swap them; the other configs pass
 #: because no near-tie happens on these prompts. An open engine bug (bitwise batch invariance), not a property.
