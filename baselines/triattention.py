@@ -243,6 +243,7 @@ class TriAttention(EvictionPolicy):
 
     @property
     def calibrated(self) -> bool:
+        """Whether centres are loaded (by :meth:`calibrate` or :meth:`load_calibration`)."""
         return getattr(self, "_q_mean", None) is not None
 
     def setup(self, model_config) -> None:

@@ -27,7 +27,21 @@ from vase.engine.attention import eager_attention
 from vase.engine.cache import cache_capacity
 from vase.models import tiny_config, tiny_model
 
-POLICIES = ALL_CONFIGS  # every conf/policy/*.yaml
+#: configs whose samples differ between a batch and alone on this CPU (found when the matrix was widened to every
+#: config, issue 28; the same on main before it). Cause, measured for both: a decode step's K/V differ in
+#: the last bit (~5e-7) between 3 rows and 1 row in flight (the projections' GEMM rounds differently with the batch
+#: size), and at one eviction two candidates' scores are close enough for that to swap them; the other configs pass
+#: because no near-tie happens on these prompts. An open engine bug (bitwise batch invariance), not a property.
+KNOWN_BATCH_DEPENDENT = {
+    "curdkv_original": "sample (1, 0) diverges after 14 tokens: K/V rounding with the batch size flips a near-tie",
+    "snapkv_protect": "sample (1, 0) diverges after 31 tokens: K/V rounding with the batch size flips a near-tie",
+}
+POLICIES = [  # every conf/policy/*.yaml
+    pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_BATCH_DEPENDENT[n], strict=False))
+    if n in KNOWN_BATCH_DEPENDENT
+    else n
+    for n in ALL_CONFIGS
+]
 BUDGET, WINDOW = 32, 8
 MODEL = dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
 _GATES = tempfile.TemporaryDirectory()

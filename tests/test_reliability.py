@@ -448,6 +448,24 @@ CASES = [
         _t("test_i7_a_tiny_temperature_samples_the_greedy_tokens_without_overflow"),
     ),
     Case(
+        "Numerics",
+        "a policy whose `keep()` returns duplicate or out-of-range indices (a new policy under development)",
+        "with `generation.check_policy_output=true`: `policy <name>: keep() returned duplicate indices` at that "
+        "eviction (off by default: one host sync per eviction)",
+        "-",
+        _t("test_check_policy_output_refuses_duplicate_indices", "tests/test_policy_authoring.py"),
+    ),
+    Case(
+        "Model and memory",
+        "TriAttention's query centres missing or of another model (`policy=triattention` outside the runner)",
+        "`policy.triattention: not calibrated; ...` / `centres of shape (...) for a model of (...); recalibrate`",
+        "-",
+        _t(
+            "test_triattention_refuses_to_decode_uncalibrated_or_with_another_models_centres",
+            "tests/test_new_baselines.py",
+        ),
+    ),
+    Case(
         "Shards",
         "`merge_shards.py` into a finished run that holds more problems (another `limit`)",
         "the target's samples stay byte for byte; the shards' missing samples are appended",

@@ -33,6 +33,7 @@ row's slice and hands it back at the row's next call. A key must keep its per-ro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -219,7 +220,7 @@ class Policy:
         loads what it needs (SeerAttention-R: its gate checkpoint). Must be idempotent (one decoder per batch plan).
         """
 
-    def calibration_input(self):
+    def calibration_input(self) -> Path | None:
         """A plain-text file (``pathlib.Path``) the runner tokenises and hands to :meth:`calibrate` before decoding,
         or ``None`` (default: the policy needs no calibration pass)."""
         return None
@@ -229,7 +230,7 @@ class Policy:
         :meth:`load_calibration` takes (tensors and numbers; the runner saves it as ``calibration.pt``)."""
         raise NotImplementedError(f"policy {self.name} has no calibration")
 
-    def load_calibration(self, record: dict, device=None) -> None:
+    def load_calibration(self, record: dict, device: torch.device | str | None = None) -> None:
         """Use a saved calibration (a resumed run reloads ``calibration.pt`` instead of calibrating again)."""
         raise NotImplementedError(f"policy {self.name} has no calibration")
 

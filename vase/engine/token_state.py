@@ -27,7 +27,9 @@ import torch
 from vase.engine.policy import EvictionInputs
 
 
-def lookup(stored_pos: torch.Tensor, stored_val: torch.Tensor, positions: torch.Tensor, fill: float = 0.0):
+def lookup(
+    stored_pos: torch.Tensor, stored_val: torch.Tensor, positions: torch.Tensor, fill: float = 0.0
+) -> torch.Tensor:
     """The stored value of each position, ``fill`` where the position is not stored.
 
     Args:
