@@ -109,7 +109,7 @@ def figure_matched_memory(summary: pd.DataFrame, res: FigureResult) -> None:
         ax.set_xscale("log", base=2)
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("mean retained KV per sample (MiB, log scale)")
+        ax.set_xlabel("mean retained KV per sample (MiB)")
         ax.set_ylabel("pass@1 (%)")
         ax.set_ylim(-2, 102)
         ax.grid(alpha=0.3)

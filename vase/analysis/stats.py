@@ -21,6 +21,7 @@ Every function is pure (NumPy / pandas in, numbers out) and seeded: the same dat
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -76,6 +77,12 @@ def accuracy_ci(
     return bootstrap_ci(per_problem(samples, column), n_boot, seed, level)
 
 
+@functools.lru_cache(maxsize=EXACT_PROBLEMS + 1)
+def _sign_patterns(n: int) -> np.ndarray:
+    """``(2**n, n)`` every pattern of ``n`` signs (computed once per ``n``)."""
+    return np.array(list(itertools.product((1.0, -1.0), repeat=n)))
+
+
 def sign_flip_pvalue(diffs: np.ndarray, n_perm: int = 10000, seed: int = 0) -> float:
     """Two-sided p-value of "the mean of ``diffs`` ``(n,)`` is 0" by flipping each one's sign.
 
@@ -90,8 +97,7 @@ def sign_flip_pvalue(diffs: np.ndarray, n_perm: int = 10000, seed: int = 0) -> f
         return 1.0
     tol = 1e-12 * max(1.0, observed)
     if d.size <= EXACT_PROBLEMS:
-        signs = np.array(list(itertools.product((1.0, -1.0), repeat=d.size)))
-        return float(np.mean(np.abs(signs @ d / d.size) >= observed - tol))
+        return float(np.mean(np.abs(_sign_patterns(d.size) @ d / d.size) >= observed - tol))
     signs = np.random.default_rng(seed).choice((1.0, -1.0), size=(n_perm, d.size))
     hits = int(np.sum(np.abs(signs @ d / d.size) >= observed - tol))
     return (1 + hits) / (1 + n_perm)
