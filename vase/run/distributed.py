@@ -62,6 +62,11 @@ WAIT_ENV = "VASE_DIST_WAIT_S"
 DEFAULT_TIMEOUT_S = 1800
 DEFAULT_WAIT_S = 6 * 3600
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+#: the fix of a disagreement between ranks (:func:`agree_on`)
+SAME_COMMAND = (
+    "start every rank with the same command line, environment, data and weights (torchrun and srun give each rank "
+    "the same command); nothing was written"
+)
 
 
 class RankFailed(RuntimeError):
@@ -332,7 +337,8 @@ def _start(launch: Launch) -> World:
         _slurm_rendezvous(launch)
     timeout = timedelta(seconds=_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
     if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=launch.rank, world_size=launch.size, timeout=timeout)
+        store = _rendezvous(launch, timeout.total_seconds())
+        dist.init_process_group("gloo", store=store, rank=launch.rank, world_size=launch.size, timeout=timeout)
     wait = dist.new_group(backend="gloo", timeout=timedelta(seconds=_seconds(WAIT_ENV, DEFAULT_WAIT_S)))
     hosts: list[Any] = [None] * launch.size
     dist.all_gather_object(hosts, socket.gethostname())
@@ -341,6 +347,146 @@ def _start(launch: Launch) -> World:
     world = World(launch.rank, launch.size, local_rank, len(here), launch.source, wait)
     logger.info("rank %d of %d (%s, local rank %d of %d)", world.rank, world.size, world.source, local_rank, len(here))
     return world
+
+
+def _reachable(addr: str, port: int) -> bool:
+    """Whether something accepts TCP connections at ``addr:port`` (rank 0's store, once it is up)."""
+    try:
+        with socket.create_connection((addr, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _rendezvous(launch: Launch, seconds: float) -> Any:
+    """The store the process group starts from, once every rank has joined it; a bounded wait otherwise.
+
+    As torch's ``env://`` rendezvous: under torchrun every rank is a client of the agent's store
+    (``TORCHELASTIC_USE_AGENT_STORE``), else rank 0 hosts it at ``MASTER_ADDR:MASTER_PORT``. Each rank then counts
+    itself in and waits until all ``size`` have, for at most ``seconds`` (:data:`TIMEOUT_ENV`): a rank that never
+    starts is one line on every rank that did, naming how many joined (:class:`RankFailed`), not a hang of the default
+    30 minutes ending in a traceback.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port or not port.isdigit():
+        raise ValueError(
+            f"rank {launch.rank} of {launch.size}: MASTER_ADDR / MASTER_PORT are not set (got {addr!r}, {port!r}); "
+            "start the ranks with torchrun or srun, or set both to rank 0's host and a free port"
+        )
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    master = launch.rank == 0 and not agent
+    where = f"{addr}:{port}"
+    limit = f"{seconds:g} s ({TIMEOUT_ENV})"
+    deadline = time.monotonic() + seconds
+    if not master:  # wait for rank 0 here, quietly (torch's client logs every failed try with a C++ stack)
+        while not _reachable(addr, int(port)):
+            if time.monotonic() >= deadline:
+                raise RankFailed(
+                    f"rank {launch.rank}: could not reach rank 0 at {where} within {limit}; start rank 0 (every one "
+                    f"of the {launch.size} ranks, with the same MASTER_ADDR / MASTER_PORT) and rerun the same command"
+                )
+            time.sleep(0.2)
+    try:
+        store = dist.TCPStore(
+            addr,
+            int(port),
+            launch.size,
+            is_master=master,
+            timeout=timedelta(seconds=max(1.0, deadline - time.monotonic()) if not master else seconds),
+            wait_for_workers=False,
+            multi_tenant=master,
+        )
+    except Exception as err:  # no rank 0 to reach in time, or its port taken
+        if master:
+            raise RankFailed(
+                f"rank 0: cannot host the ranks' rendezvous at {where} ({_one_line(err)[:200]}); set MASTER_PORT to a "
+                "free port on every rank"
+            ) from None
+        raise RankFailed(
+            f"rank {launch.rank}: could not reach rank 0 at {where} within {limit}; start rank 0 (every one of the "
+            f"{launch.size} ranks, with the same MASTER_ADDR / MASTER_PORT) and rerun the same command"
+        ) from None
+    key = f"vase/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/joined"
+    try:
+        joined = store.add(key, 1)
+        while joined < launch.size and time.monotonic() < deadline:
+            time.sleep(0.05)
+            joined = store.add(key, 0)
+    except Exception as err:  # rank 0 went away (it gave up waiting, or died)
+        raise RankFailed(
+            f"rank {launch.rank}: lost rank 0's rendezvous at {where} ({_one_line(err)[:200]}); start every one of the "
+            f"{launch.size} ranks together and rerun the same command"
+        ) from None
+    if joined < launch.size:
+        raise RankFailed(
+            f"rank {launch.rank}: only {joined} of {launch.size} ranks joined within {limit}; start every rank "
+            f"(torchrun --nproc-per-node {launch.size}, or srun with {launch.size} tasks), or raise {TIMEOUT_ENV}, "
+            "then rerun the same command"
+        )
+    return store
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the ranks agree on what they run
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": leaf}`` of nested mappings (lists are leaves), in insertion order."""
+    if isinstance(value, Mapping) and value:
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+def _shown(value: Any) -> str:
+    text = "<unset>" if value is _UNSET else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_UNSET = object()
+
+
+def first_difference(values: Sequence[Mapping]) -> tuple[str, Any, int, Any] | None:
+    """``(setting, rank 0's value, rank, that rank's value)`` of the first setting (in rank 0's order, then the
+    others') on which a rank differs from rank 0, or ``None`` when every rank holds the same."""
+    first = _flatten(values[0])
+    for rank, other in enumerate(values[1:], 1):
+        flat = _flatten(other)
+        for key in [*first, *(k for k in flat if k not in first)]:
+            a, b = first.get(key, _UNSET), flat.get(key, _UNSET)
+            if a is _UNSET or b is _UNSET or a != b:
+                return key, a, rank, b
+    return None
+
+
+def agree_on(world: World, what: str, values: Mapping, fix: str) -> None:
+    """Every rank holds the same ``values`` (``{setting: value}``, nested mappings flattened to dotted names), or
+    every rank raises the same one-line ``ValueError`` naming the first setting that differs. One process: nothing
+    to compare."""
+    if world.size == 1:
+        return
+    gathered = world.step(f"comparing {what}", lambda: dict(values))
+    found = first_difference(gathered)
+    if found is not None:
+        key, a, rank, b = found
+        raise ValueError(
+            f"the ranks disagree on {what}: {key} is {_shown(a)} on rank 0 but {_shown(b)} on rank {rank}; {fix}"
+        )
+
+
+def command_settings(argv: Sequence[str]) -> dict[str, str]:
+    """``{setting: value}`` of a command line (``key=value``; anything else by its position), for :func:`agree_on`."""
+    out: dict[str, str] = {}
+    for i, arg in enumerate(argv):
+        key, eq, value = arg.partition("=")
+        out[key if eq else f"argument {i + 1}"] = value if eq else arg
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -384,6 +530,24 @@ def hydra_overrides(argv: list[str], compose: Callable[[str, list[str]], Any]) -
         dirs = {k: str(Path(v) / f"rank{world.rank}") for k, v in dirs.items()}
     kept = [a for a in argv if not re.match(r"^[+~]*hydra\.(run|sweep)\.dir=", a)]
     return [*kept, f"hydra.run.dir={_quote(dirs['run'])}", f"hydra.sweep.dir={_quote(dirs['sweep'])}"]
+
+
+def record_for_torchrun(line: str) -> None:
+    """Hand this rank's one-line error to torchrun (its ``TORCHELASTIC_ERROR_FILE``, the file
+    ``torch.distributed.elastic``'s ``@record`` writes): torchrun's failure summary then shows that line as the
+    rank's ``traceback`` instead of a pointer to its docs. torchrun still prints its own ``ChildFailedError``
+    traceback around it (the README says so); without torchrun, nothing happens."""
+    import json
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+    except OSError:  # torchrun then says "<N/A>": the line is on the terminal already
+        pass
 
 
 def gpus_on_machine() -> int:

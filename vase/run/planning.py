@@ -224,6 +224,7 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
     if pending:
         setting = "task.max_length" if cfg.generation.max_length is None else "generation.max_length"
         config = check_model(prep.model_spec, prep.max_length, setting, machine, cache)
+        prep.policy.check_model(config)  # fields that depend on the model (Quest's dense_layers), before any weight
         work = measure(prep, pending, load_tokenizer(prep.model_spec, cache))
         spec, _ = resolved_spec(prep, work)
         check_cache(prep, spec, [(w.ids, w.missing) for w in work], config, setting, machine)
