@@ -414,7 +414,8 @@ def check_command(argv: list[str]) -> tuple[str | None, int]:
     here), so a bad cell is the same one line on every rank before any of them writes anything. Then every rank gets
     rank 0's Hydra output directory (:func:`launch_overrides`). A bug in a check keeps its traceback.
     """
-    from vase.run.distributed import SAME_COMMAND, RankFailed, agree_on, command_settings, current_world
+    from vase.run.agreement import SAME_COMMAND, agree_on, command_settings
+    from vase.run.distributed import RankFailed, current_world
 
     raise_errors = any(a.replace(" ", "") in ("raise_errors=true", "raise_errors=True") for a in argv)
 
@@ -474,7 +475,7 @@ if __name__ == "__main__":
         error, code = check_command(argv)
         if error:
             _say(f"error: {error}")
-            from vase.run.distributed import record_for_torchrun
+            from vase.run.agreement import record_for_torchrun
 
             record_for_torchrun(f"error: {error}")
             sys.exit(code)

@@ -30,8 +30,9 @@ from dataclasses import replace
 
 from omegaconf import DictConfig, OmegaConf
 
+from vase.run.agreement import SAME_COMMAND, agree_on
 from vase.run.decoding import decode
-from vase.run.distributed import SAME_COMMAND, World, agree_on, current_world
+from vase.run.distributed import World, current_world
 from vase.run.grading_pool import Grader, grade_workers
 from vase.run.loggers import NullLogger
 from vase.run.planning import RunPlan, build, plan, prepare, resolved_spec, still_to_do, with_dtype
