@@ -264,7 +264,7 @@ def _in_cell(cell: list[str], cells: list[list[str]], message: str) -> str:
     """``message``, prefixed with the job's swept values when the command line launches several jobs."""
     if len(cells) < 2:
         return message
-    swept = [o for o in cell if any(o not in other for other in cells)]
+    swept = [o if len(o) <= 60 else o[:57] + "..." for o in cell if any(o not in other for other in cells)]
     return f"job #{cells.index(cell)} ({' '.join(swept)}): {message}"
 
 

@@ -93,9 +93,9 @@ class Quest(SelectionPolicy):
         _check(
             not isinstance(layers, int) or self.dense_layers <= layers,
             "policy.dense_layers",
-            f"must be <= the model's num_hidden_layers = {layers}, got {self.dense_layers} (set "
-            f"policy.dense_layers={min(2, layers) if isinstance(layers, int) else 2}, Quest's 2, or any value up to "
-            f"{layers})",
+            f"must be <= the model's num_hidden_layers = {layers}, got {self.dense_layers}; e.g. "
+            f"policy.dense_layers={min(2, layers) if isinstance(layers, int) else 2} (Quest's 2, or fewer on a "
+            "smaller model)",
         )
 
     @property

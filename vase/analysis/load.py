@@ -214,7 +214,8 @@ def load_run(run_dir: str | Path, run_id: int = 0) -> tuple[dict, pd.DataFrame, 
     config = _read_config(run_dir)
     protocol = _read_json(run_dir / "protocol.json")
     metrics = _read_json(run_dir / "metrics.json")
-    sample_rows = read_samples(run_dir)  # with the rank part files of a data-parallel run under way or killed
+    # schema-checked; with the rank part files of a data-parallel run under way or killed
+    sample_rows = read_samples(run_dir, for_metrics=True)
     throughput_rows = read_throughput(run_dir)
     if not throughput_rows and (run_dir / OLD_BATCHES).exists():
         logger.warning(

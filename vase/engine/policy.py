@@ -187,7 +187,8 @@ class Policy:
             self.budget % self.window == 0,
             "policy.budget",
             f"must be a multiple of window={self.window} so the eviction trigger (held % window == 0) fires; "
-            f"got {self.budget} (try {max(2, -(-self.budget // self.window)) * self.window}: the next multiple up)",
+            f"got {self.budget} (try budget={max(2, -(-self.budget // self.window)) * self.window}: the next multiple "
+            "up)",
         )
 
     def setup(self, model_config) -> None:

@@ -142,7 +142,8 @@ def _number(cfg: DictConfig, path: str, *, low: float, low_open: bool, high: flo
             rng = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
         else:
             rng = f"{'>' if low_open else '>='} {low:g}"
-        _fail(path, f"must be {rng}", value, fix)
+        finite = "a finite number " if isinstance(value, float) and not math.isfinite(value) else ""
+        _fail(path, f"must be {finite}{rng}", value, fix)
     return value
 
 
@@ -283,7 +284,7 @@ def _check_task(cfg: DictConfig) -> None:
     num_shards = _integer(cfg, "task.num_shards", 1, fix="e.g. task.num_shards=4")
     shard = _integer(cfg, "task.shard", 0, fix="e.g. task.shard=0")
     if _is_int(num_shards) and _is_int(shard) and shard >= num_shards:
-        _fail("task.shard", f"must be in [0, task.num_shards={num_shards})", shard, f"e.g. task.shard={num_shards - 1}")
+        _fail("task.shard", f"must be in [0, task.num_shards={num_shards})", shard, "e.g. task.shard=0")
     _path(cfg, "task.data_dir", nullable=True, example="../shared/data")
 
 
@@ -339,7 +340,8 @@ def check_protocol_n_protect(cfg: DictConfig) -> None:
             f"{n} protected value slots (protocol {_get(cfg, 'protocol.name')!r}, task {task}) do not fit "
             f"budget - window = {budget} - {window}",
             n,
-            f"raise budget (>= {n + window}) or set policy.n_protect=<slots>",
+            f"raise budget (budget={-(-(n + window) // window) * window}: room for them, a multiple of the window) "
+            "or set policy.n_protect=<slots>",
         )
 
 

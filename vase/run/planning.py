@@ -216,7 +216,7 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
         raise ValueError(no_problems(prep.task, cfg))
     data = {"data": prep.task.resolved_sources()}
     check_resolved(run_dir, data, write=False)  # refuse a resume on changed data (read-only)
-    done_rows = read_samples(run_dir)  # samples.jsonl and the rank part files of a data-parallel run
+    done_rows = read_samples(run_dir, for_metrics=True)  # samples.jsonl and the rank part files of a data-parallel run
     done = {(r["problem_id"], r["sample"]) for r in done_rows}
     pending = [(p, [i for i in range(prep.n_samples) if (p.id, i) not in done]) for p in problems]
     pending = [(p, missing) for p, missing in pending if missing]
