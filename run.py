@@ -183,6 +183,8 @@ def check_overrides(argv: list[str]) -> str | None:
             reason = _one_line(str(err).split("\n")[0])
             fix = "write key=value, and quote values with special characters: key='a,b'"
             return f"{text}: cannot parse it ({reason}); {fix}"
+        except ValueError as err:  # Python's own limits while Hydra converts a value (an int of 5000 digits)
+            return _unparsable_value(text, err)
     for text, o in parsed:
         if o.is_sweep_override() and not args.multirun:
             key = o.get_key_element()
@@ -213,6 +215,20 @@ def check_overrides(argv: list[str]) -> str | None:
     _checked.clear()
     _checked.update(argv=list(argv), args=args, cells=cells, composed=composed)
     return None
+
+
+def _unparsable_value(text: str, err: ValueError) -> str:
+    """One line for an override whose value Python itself cannot convert (the int-str limit: 4300 digits), naming the
+    setting without echoing the value."""
+    key = text.split("=", 1)[0].lstrip("+~")
+    value = text.split("=", 1)[1] if "=" in text else ""
+    if "integer string conversion" in str(err):
+        digits = sum(ch.isdigit() for ch in value)
+        return (
+            f"{key}: an integer of {digits} digits is out of range (at most 2**63 - 1 = 9223372036854775807); give a "
+            "value that fits the setting" + (f", e.g. {key}=0" if key.endswith("seed") else "")
+        )
+    return f"{key}: cannot read its value ({_one_line(err)[:200]}); write key=value with a value that fits the setting"
 
 
 def _cells(parsed: list, config_name: str, multirun: bool) -> list[list[str]] | str:
@@ -248,7 +264,7 @@ def _in_cell(cell: list[str], cells: list[list[str]], message: str) -> str:
     """``message``, prefixed with the job's swept values when the command line launches several jobs."""
     if len(cells) < 2:
         return message
-    swept = [o for o in cell if any(o not in other for other in cells)]
+    swept = [o if len(o) <= 60 else o[:57] + "..." for o in cell if any(o not in other for other in cells)]
     return f"job #{cells.index(cell)} ({' '.join(swept)}): {message}"
 
 
@@ -398,6 +414,7 @@ def check_command(argv: list[str]) -> tuple[str | None, int]:
     here), so a bad cell is the same one line on every rank before any of them writes anything. Then every rank gets
     rank 0's Hydra output directory (:func:`launch_overrides`). A bug in a check keeps its traceback.
     """
+    from vase.run.agreement import SAME_COMMAND, agree_on, command_settings
     from vase.run.distributed import RankFailed, current_world
 
     raise_errors = any(a.replace(" ", "") in ("raise_errors=true", "raise_errors=True") for a in argv)
@@ -417,6 +434,7 @@ def check_command(argv: list[str]) -> tuple[str | None, int]:
 
     try:
         world = current_world()
+        agree_on(world, "the command line", command_settings(argv), SAME_COMMAND)
         cheap = lambda: check_group_choices(argv) or check_overrides(argv)  # noqa: E731
         error = world.leader("checking the command line", lambda: first_error(cheap))
         if error is None:
@@ -457,6 +475,9 @@ if __name__ == "__main__":
         error, code = check_command(argv)
         if error:
             _say(f"error: {error}")
+            from vase.run.agreement import record_for_torchrun
+
+            record_for_torchrun(f"error: {error}")
             sys.exit(code)
         main()
     except KeyboardInterrupt:

@@ -87,6 +87,17 @@ class Quest(SelectionPolicy):
             f"must be one of {', '.join(GROUP_REDUCE)}, got {self.group_reduce!r}",
         )
 
+    def check_model(self, model_config) -> None:
+        """``dense_layers`` at most the model's ``num_hidden_layers`` (all of them: every layer attends densely)."""
+        layers = getattr(model_config, "num_hidden_layers", None)
+        _check(
+            not isinstance(layers, int) or self.dense_layers <= layers,
+            "policy.dense_layers",
+            f"must be <= the model's num_hidden_layers = {layers}, got {self.dense_layers}; e.g. "
+            f"policy.dense_layers={min(2, layers) if isinstance(layers, int) else 2} (Quest's 2, or fewer on a "
+            "smaller model)",
+        )
+
     @property
     def n_pages(self) -> int:
         """Pages attended per step and head, the current page included."""

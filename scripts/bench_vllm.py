@@ -21,4 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vase.bench.vllm import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vase.run.oneline import script_main
+
+    script_main(main)

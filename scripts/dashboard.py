@@ -83,4 +83,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vase.run.oneline import script_main
+
+    script_main(main)

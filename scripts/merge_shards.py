@@ -90,8 +90,8 @@ def merge(prefix: Path) -> dict:
                 "nothing changed. Merge into another directory: copy the shards to their own prefix"
             )
     # each shard's samples.jsonl and, for a shard run by torchrun and killed, its rank part files (the union)
-    shard_rows = {s.name: read_samples(s) for s in shards}
-    held = read_samples(prefix)  # validated before anything is written
+    shard_rows = {s.name: read_samples(s, for_metrics=True) for s in shards}
+    held = read_samples(prefix, for_metrics=True)  # validated before anything is written
     for s in shards:
         if (s / RESOLVED).is_file():
             check_resolved(prefix, read_json(s / RESOLVED), write=False)
@@ -103,7 +103,8 @@ def merge(prefix: Path) -> dict:
         for name in (PROTOCOL, "config.yaml", "manifest.json"):
             if not (prefix / name).exists() and (shards[0] / name).exists():
                 (prefix / name).write_bytes((shards[0] / name).read_bytes())
-        held = read_samples(prefix, repair=True)  # with the target's own rank parts, if a torchrun run there was killed
+        # with the target's own rank parts, if a torchrun run there was killed
+        held = read_samples(prefix, repair=True, for_metrics=True)
         have = {(r["problem_id"], r["sample"]) for r in held}
         new = []
         for s in shards:
@@ -157,4 +158,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from vase.run.oneline import script_main
+
+    script_main(main)

@@ -24,7 +24,7 @@ from vase.hub import ensure_hub_mode, hub_error, is_commit_sha, single_log_lines
 
 logger = logging.getLogger(__name__)
 
-LOCAL_DATA_HINT = "point task.data_dir at a local copy, e.g. task.data_dir=../shared/data"
+LOCAL_DATA_HINT = "point task.data_dir at a local copy (a directory of JSONL files in the ../shared/data schema)"
 
 
 def numbered_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:

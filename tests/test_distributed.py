@@ -399,3 +399,133 @@ def test_a_machine_with_gpus_is_told_in_one_line_that_the_local_launcher_uses_th
     note = distributed.local_launcher_note(local)
     assert note and "\n" not in note and "on the CPU" in note and "torchrun --nproc-per-node 8" in note
     assert distributed.local_launcher_note(basic) is None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# the ranks agree before they work (issue 29)
+
+
+def _rank_env(rank: int, port: int, **extra: str) -> dict:
+    return {
+        **ENV,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": str(rank),
+        **extra,
+    }
+
+
+def _by_hand(args_of_rank: dict[int, list[str]], env: dict | None = None) -> dict[int, subprocess.CompletedProcess]:
+    """Ranks started by hand (as ``srun`` would: ``RANK`` / ``WORLD_SIZE`` / ``MASTER_*``), each ``python run.py``."""
+    port = _free_port()
+    procs = {
+        r: subprocess.Popen(
+            [sys.executable, "run.py", *args],
+            cwd=ROOT,
+            env=_rank_env(r, port, **(env or {})),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r, args in args_of_rank.items()
+    }
+    out = {}
+    for r, p in procs.items():
+        stdout, stderr = p.communicate(timeout=300)
+        out[r] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    return out
+
+
+def _error_line(r: subprocess.CompletedProcess) -> str:
+    lines = [x for x in r.stderr.splitlines() if x.strip() and "WARNING" not in x]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.stderr, r.stderr[-3000:]
+    return lines[0]
+
+
+def test_ranks_started_with_different_settings_stop_together_before_writing(tmp_path):
+    """``seed=0`` on rank 0, ``seed=1`` on rank 1: every rank exits 2 with the same line naming ``seed``; nothing
+    is written (not even Hydra's directory)."""
+    args = [*SMALL, f"results_dir={tmp_path / 'results'}"]
+    done = _by_hand({0: [*args, "seed=0"], 1: [*args, "seed=1"]}, env={"VASE_DIST_TIMEOUT_S": "120"})
+    lines = {r: _error_line(p) for r, p in done.items()}
+    assert done[0].returncode == done[1].returncode == 2
+    assert lines[0] == lines[1]
+    assert lines[0].startswith("error: the ranks disagree on the command line: seed is '0' on rank 0 but '1' on rank 1")
+    assert not any(tmp_path.iterdir())
+
+
+def _run_rank_catching(rank: int, port: int, overrides: list[str], queue) -> None:
+    os.environ.update(_rank_env(rank, port, VASE_DIST_TIMEOUT_S="120"))
+    from vase.run import distributed
+    from vase.run.runner import run
+
+    distributed._WORLD = None
+    try:
+        queue.put((rank, ("ok", run(_compose(overrides), progress=False)["run_dir"])))
+    except Exception as err:
+        queue.put((rank, (type(err).__name__, str(err))))
+    finally:
+        queue.close()
+        queue.join_thread()
+        os._exit(0)
+
+
+def test_ranks_whose_resolved_settings_differ_raise_the_same_line(tmp_path):
+    """The same command, another resolved setting on rank 1 (another config, another environment): ``run`` raises
+    the same one-line ``ValueError`` on every rank, naming the setting, before anything is written."""
+    ctx = multiprocessing.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    base = [*SMALL, "policy=vase_attnv", f"results_dir={tmp_path / 'results'}"]
+    overrides = {0: base, 1: [*base, "generation.temperature=0.5"]}
+    procs = [ctx.Process(target=_run_rank_catching, args=(r, port, overrides[r], queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert results[0] == results[1], results
+    kind, message = results[0]
+    assert kind == "ValueError" and "\n" not in message
+    assert message.startswith("the ranks disagree on the settings: generation.temperature is 1.0 on rank 0 but 0.5 on")
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_missing_rank_is_one_line_after_the_bounded_wait(tmp_path):
+    """A world of 2 with rank 0 alone, and with rank 1 alone: each says in one line, after ``VASE_DIST_TIMEOUT_S``
+    seconds (here 2), how many ranks joined, or that rank 0 could not be reached; exit 1, nothing written."""
+    args = [*SMALL, f"results_dir={tmp_path / 'results'}"]
+    alone0 = _by_hand({0: args}, env={"VASE_DIST_TIMEOUT_S": "2"})[0]
+    alone1 = _by_hand({1: args}, env={"VASE_DIST_TIMEOUT_S": "2"})[1]
+    assert alone0.returncode == alone1.returncode == 1
+    assert _error_line(alone0).startswith(
+        "error: rank 0: only 1 of 2 ranks joined within 2 s (VASE_DIST_TIMEOUT_S); start every rank"
+    )
+    assert _error_line(alone1).startswith("error: rank 1: could not reach rank 0 at 127.0.0.1:")
+    assert "within 2 s (VASE_DIST_TIMEOUT_S)" in _error_line(alone1)
+    assert not (tmp_path / "results").exists()
+
+
+def test_the_first_difference_names_the_setting_in_rank_0s_order():
+    from vase.run.agreement import command_settings, first_difference
+
+    same = {"a": 1, "b": {"c": [1, 2]}}
+    assert first_difference([same, dict(same)]) is None
+    assert first_difference([same, {"a": 1, "b": {"c": [1, 3]}}]) == ("b.c", [1, 2], 1, [1, 3])
+    assert first_difference([same, same, {"b": {"c": [1, 2]}, "a": 2}]) == ("a", 1, 2, 2)
+    missing = first_difference([same, {"a": 1}])
+    assert missing is not None and missing[0] == "b.c"
+    assert command_settings(["-m", "seed=1", "+x=2"]) == {"argument 1": "-m", "seed": "1", "+x": "2"}
+
+
+@needs_torchrun
+def test_under_torchrun_the_summary_shows_the_one_line(tmp_path):
+    """A 5000-digit seed under torchrun: each rank prints the one line naming ``seed``, and torchrun's own failure
+    summary shows that line as the rank's ``traceback`` (its error file), not a pointer to its docs."""
+    r = _torchrun([*SMALL, f"results_dir={tmp_path}", "seed=" + "1" * 5000], timeout=300)
+    assert r.returncode != 0
+    ours = [x for x in r.stderr.splitlines() if x.startswith("error: seed: an integer of 5000 digits")]
+    assert len(ours) == 2, r.stderr[-3000:]
+    assert "traceback : error: seed: an integer of 5000 digits is out of range" in r.stderr
+    assert not any(tmp_path.iterdir())

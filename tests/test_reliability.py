@@ -13,58 +13,19 @@ import ast
 import json
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import TINY_RUN, compose, copy_run, snapshot
+from tests.reliability_registry import Case, Refusal
+from tests.test_reliability_hostile import HOSTILE_AREAS, HOSTILE_CASES, HOSTILE_REFUSALS
 from vase.run.results import read_samples
 from vase.run.rundir import lock_run_dir
 from vase.run.runner import run
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "reliability.md"
-
-
-@dataclass(frozen=True)
-class Case:
-    """One row of the table.
-
-    Attributes:
-        area: the table's section.
-        fault: the class of bad input or fault, with an example.
-        sees: what the user sees (the start of the one-line message, or what happens).
-        code: ``run.py``'s exit code (``-`` where no command exits: a library call, a script's own code).
-        test: ``<file>::<test function>`` that shows it.
-    """
-
-    area: str
-    fault: str
-    sees: str
-    code: str
-    test: str
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """A bad input refused in one line before anything is written: run here by :func:`test_refusals`.
-
-    Attributes:
-        id: the test id.
-        area, fault: as :class:`Case`.
-        overrides: added to the tiny run's settings (``{tmp}`` is the test's directory; ``{data}`` a data directory
-            whose ``math500.jsonl`` holds :attr:`data`).
-        expected: the start of the message.
-        data: the content of ``{data}/math500.jsonl``.
-    """
-
-    id: str
-    area: str
-    fault: str
-    overrides: tuple[str, ...]
-    expected: str
-    data: bytes = b""
 
 
 ROW = b'{"problem": "1+1?", "answer": "2", "unique_id": "a"}\n'
@@ -481,6 +442,8 @@ CASES = [
         _t("test_i1_merge_shards_appends_what_the_target_lacks_and_refuses_another_protocol"),
     ),
 ]
+REFUSALS += HOSTILE_REFUSALS  # the rows of issue 29 and the hostile pass (tests/test_reliability_hostile.py)
+CASES += HOSTILE_CASES
 CASES += [
     Case(
         r.area,
@@ -502,6 +465,7 @@ AREAS = [
     "While running",
     "Numerics",
     "Shards",
+    *HOSTILE_AREAS,
 ]
 
 
@@ -548,7 +512,8 @@ def test_every_case_names_a_test_that_exists():
     for c in CASES:
         file, name = c.test.split("::")
         assert name.split("[")[0] in _test_functions(file), c.test
-    assert {r.id for r in REFUSALS} == {c.test.split("[")[1][:-1] for c in CASES if "[" in c.test}
+    refusal_rows = [c.test.split("[")[1][:-1] for c in CASES if "::test_refusals[" in c.test]
+    assert sorted({r.id for r in REFUSALS}) == sorted(refusal_rows)  # each id once
 
 
 def test_docs_reliability_md_is_the_rendered_table():

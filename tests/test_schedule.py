@@ -378,8 +378,9 @@ def test_keep_prompt_refuses_a_prompt_that_does_not_fit(model):
         policy.check_prompt(24)
     attnv = VaSEAttnV(budget=64, window=8, keep_prompt=True)  # 16 protected slots among the generated tokens
     attnv.check_prompt(40)
-    with pytest.raises(ValueError, match="needs >= 16; raise budget to >= 66"):
-        attnv.check_prompt(42)
+    with pytest.raises(ValueError, match=r"needs >= 16; raise budget to >= 72 \(budget=72: a multiple of the window"):
+        attnv.check_prompt(42)  # 42 + 8 + 16 = 66, up to a multiple of the window, where 18 slots are protected
+    VaSEAttnV(budget=72, window=8, keep_prompt=True).check_prompt(42)  # the hint is accepted
     RandomEviction(budget=32, window=8).check_prompt(500)  # without keep_prompt, any prompt
     dec = Decoder(model, policy, rows=2, capacity=200, max_new_tokens=10)
     ran = []

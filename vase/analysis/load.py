@@ -22,7 +22,7 @@ import pandas as pd
 import yaml
 
 from vase.analysis.labels import NOT_HYPERPARAMETERS, label_policies, policy_class_name
-from vase.run.results import SAMPLES, THROUGHPUT, read_samples, read_throughput, stable_hash
+from vase.run.results import SAMPLES, THROUGHPUT, BadSample, read_samples, read_throughput, stable_hash
 
 logger = logging.getLogger(__name__)
 
@@ -111,21 +111,61 @@ def find_run_dirs(root: str | Path) -> list[Path]:
     """
     root = Path(root)
     found = []
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def unreadable(err: OSError) -> None:
+        logger.warning("skipping %s: cannot read it (%s)", err.filename, err.strerror or err)
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d != "wandb")
         if "metrics.json" in filenames or SAMPLES in filenames:
             found.append(Path(dirpath))
     return sorted(found)
 
 
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"holds {name}, not a finite number")
+
+
 def _read_json(path: Path) -> dict | None:
+    """A JSON object a run saved, or ``None`` (with a warning) when absent, unreadable, not an object or holding a
+    non-finite number (``NaN`` / ``Infinity``: never data)."""
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        logger.warning("%s: unreadable JSON (%s); ignored", path, err)
+        obj = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_reject_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
+        logger.warning("%s: unreadable JSON (%s); ignored", path, " ".join(str(err).split()))
         return None
+    if not isinstance(obj, dict):
+        logger.warning("%s: a JSON %s, not an object; ignored", path, type(obj).__name__)
+        return None
+    return obj
+
+
+def not_a_run(run_dir: Path) -> str | None:
+    """Why ``run_dir`` (found by :func:`find_run_dirs`) is not a vase run directory, or ``None`` when it is one.
+
+    A vase run names its policy in what it saved: ``protocol.json`` or ``config.yaml`` (a run under way), or a
+    ``metrics.json`` with its policy, task and model. A directory that merely holds a ``metrics.json`` or a
+    ``samples.jsonl`` of another tool is not one (the report skips it with one warning)."""
+    run_dir = Path(run_dir)
+    for name in ("protocol.json", "metrics.json"):
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        try:
+            obj = json.loads(path.read_bytes().decode("utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(obj, dict) and "policy" in obj and (name == "protocol.json" or {"task", "model"} <= set(obj)):
+            return None
+    try:
+        config = _read_config(run_dir)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        config = {}
+    if isinstance(config, dict) and isinstance(config.get("policy"), dict):
+        return None
+    return "not a vase run (no protocol.json, config.yaml or metrics.json that names its policy, task and model)"
 
 
 def _read_config(run_dir: Path) -> dict:
@@ -181,7 +221,8 @@ def load_run(
     config = _read_config(run_dir)
     protocol = _read_json(run_dir / "protocol.json")
     metrics = _read_json(run_dir / "metrics.json")
-    sample_rows = read_samples(run_dir)  # with the rank part files of a data-parallel run under way or killed
+    # schema-checked; with the rank part files of a data-parallel run under way or killed
+    sample_rows = read_samples(run_dir, for_metrics=True)
     throughput_rows = read_throughput(run_dir)
     if not throughput_rows and (run_dir / OLD_BATCHES).exists():
         logger.warning(
@@ -340,10 +381,19 @@ def load_tree(root: str | Path, *, with_output: bool = False, drop_duplicates: b
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"results_dir: no such directory: {root}")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise ValueError(f"results_dir: {root} cannot be read (permission denied); give a results tree you can read")
     loaded, skipped = [], []
     for run_dir in find_run_dirs(root):
+        why = not_a_run(run_dir)
+        if why is not None:
+            logger.warning("skipping %s: %s", run_dir, why)
+            skipped.append((str(run_dir), why))
+            continue
         try:
             run, s, t, m = load_run(run_dir, run_id=len(loaded), with_output=with_output)
+        except BadSample:
+            raise  # a damaged sample line of a vase run: an error (one line naming it), never a run left out quietly
         except (ValueError, OSError, yaml.YAMLError) as err:
             logger.warning("skipping %s: %s", run_dir, err)
             skipped.append((str(run_dir), str(err)))

@@ -35,6 +35,7 @@ from vase.analysis.figures import paper_figures, save_figure
 from vase.analysis.load import Tree, load_tree
 from vase.analysis.tables import Table, paper_tables, to_markdown, write_table
 from vase.analysis.wandb_summary import default_group, log_to_wandb, logged_keys
+from vase.run.rundir import check_writable
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,9 @@ def build_report(
     the summary run logs: what ``scripts/dashboard.py`` binds its panels to) and, unless
     ``wandb_mode == "disabled"``, a W&B summary run in ``group``.
     """
-    tree = load_tree(results_dir)
     out = Path(out_dir) if out_dir is not None else Path(results_dir) / "report"
+    tree = load_tree(results_dir)  # every sample line checked (vase.run.schema) before anything is written
+    check_writable(out, "--out", "give --out a directory you can write")
     for sub, exts in (("tables", (".csv", ".md", ".tex")), ("figures", (".png", ".pdf", ".svg"))):
         stale = [p for p in (out / sub).glob("*") if p.suffix in exts] if (out / sub).is_dir() else []
         for p in stale:  # the report owns these folders: a rerun must not leave figures of runs since removed

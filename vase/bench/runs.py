@@ -83,7 +83,9 @@ def read_run(results: Path) -> dict:
         raise ValueError(f"{results}: expected one run directory with metrics.json, found {len(found)}")
     run_dir = found[0].parent
     lines = _jsonl(run_dir / "throughput.jsonl")
-    samples = _jsonl(run_dir / "samples.jsonl")
+    from vase.run.results import read_samples
+
+    samples = read_samples(run_dir, for_metrics=True)  # the schema-checked lines (vase.run.schema)
     reasons: dict[str, int] = {}
     for s in samples:
         reasons[s["finish_reason"]] = reasons.get(s["finish_reason"], 0) + 1

@@ -210,7 +210,8 @@ class Policy:
             self.budget % self.window == 0,
             "policy.budget",
             f"must be a multiple of window={self.window} so the eviction trigger (held % window == 0) fires; "
-            f"got {self.budget} (try {max(2, round(self.budget / self.window)) * self.window})",
+            f"got {self.budget} (try budget={max(2, -(-self.budget // self.window)) * self.window}: the next multiple "
+            "up)",
         )
 
     def setup(self, model_config) -> None:
@@ -257,6 +258,11 @@ class Policy:
 
     def check_prompt(self, prompt_len: int) -> None:
         """Raise one ``ValueError`` if this policy cannot decode a prompt of ``prompt_len`` tokens (default: it can)."""
+
+    def check_model(self, model_config) -> None:
+        """Raise one ``ValueError`` naming the field and the fix when a field of this policy does not fit the model
+        (its config, before any weight loads: the preflight, :func:`vase.run.planning.plan`). Default: nothing
+        depends on the model. Unlike :meth:`setup`, it loads nothing."""
 
     def held_after(self, prompt_len: int, steps: int) -> int:
         """Tokens a row holds after its prefill and ``steps`` decode steps (appends) under this policy's schedule."""
@@ -328,13 +334,30 @@ class EvictionPolicy(Policy):
         if not self.keep_prompt:
             return
         room, need = self.budget - self.window - prompt_len, self.min_keep(prompt_len)
+        if room >= need:
+            return
+        # the smallest budget every constraint accepts: room for the prompt, the window and ``need`` candidates, and
+        # a multiple of the window (validate); a policy that raises min_keep with the budget is asked again
+        budget = -(-(prompt_len + self.window + need) // self.window) * self.window
+        while budget - self.window - prompt_len < self.min_keep_at(prompt_len, budget):
+            budget += self.window
         _check(
-            room >= need,
+            False,
             "policy.keep_prompt",
             f"a prompt of {prompt_len} tokens plus window={self.window} leaves {room} of budget={self.budget} for "
-            f"generated tokens, {self.name} needs >= {need}; raise budget to >= {prompt_len + self.window + need} "
-            "or set policy.keep_prompt=false",
+            f"generated tokens, {self.name} needs >= {need}; raise budget to >= {budget} (budget={budget}: a multiple "
+            "of the window) or set policy.keep_prompt=false",
         )
+
+    def min_keep_at(self, prompt_len: int, budget: int) -> int:
+        """:meth:`min_keep` of this policy with ``budget`` instead of its own (a policy whose protection grows with
+        the budget, e.g. a fraction of it, needs more room at a larger one)."""
+        from dataclasses import replace
+
+        try:
+            return replace(self, budget=budget).min_keep(prompt_len)
+        except ValueError:
+            return self.min_keep(prompt_len)
 
     def held_after(self, prompt_len: int, steps: int) -> int:
         """Tokens a row holds after its prefill and ``steps`` decode steps (the schedule above, step by step)."""

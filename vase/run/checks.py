@@ -145,7 +145,8 @@ def _number(cfg: DictConfig, path: str, *, low: float, low_open: bool, high: flo
             rng = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
         else:
             rng = f"{'>' if low_open else '>='} {low:g}"
-        _fail(path, f"must be {rng}", value, fix)
+        finite = "a finite number " if isinstance(value, float) and not math.isfinite(value) else ""
+        _fail(path, f"must be {finite}{rng}", value, fix)
     return value
 
 
@@ -287,7 +288,7 @@ def _check_task(cfg: DictConfig) -> None:
     num_shards = _integer(cfg, "task.num_shards", 1, fix="e.g. task.num_shards=4")
     shard = _integer(cfg, "task.shard", 0, fix="e.g. task.shard=0")
     if _is_int(num_shards) and _is_int(shard) and shard >= num_shards:
-        _fail("task.shard", f"must be in [0, task.num_shards={num_shards})", shard, f"e.g. task.shard={num_shards - 1}")
+        _fail("task.shard", f"must be in [0, task.num_shards={num_shards})", shard, "e.g. task.shard=0")
     _path(cfg, "task.data_dir", nullable=True, example="../shared/data")
 
 
@@ -346,7 +347,8 @@ def check_protocol_n_protect(cfg: DictConfig) -> None:
             f"{n} protected value slots (protocol {_get(cfg, 'protocol.name')!r}, task {task}) do not fit "
             f"budget - window = {budget} - {window}",
             n,
-            f"raise budget (>= {n + window}) or set policy.n_protect=<slots>",
+            f"raise budget (budget={-(-(n + window) // window) * window}: room for them, a multiple of the window) "
+            "or set policy.n_protect=<slots>",
         )
 
 
@@ -367,6 +369,39 @@ def _check_launcher(cfg: DictConfig) -> None:
         )
 
 
+#: the largest integer any setting may hold: what a C ``int64`` (torch, numpy, the OS) holds
+MAX_INT = 2**63 - 1
+
+
+def _check_int_range(cfg: DictConfig) -> None:
+    """No integer setting (of any group: the policy's, the task's, the model's...) beyond a signed 64-bit integer:
+    such a value is a typo (a seed of 5000 digits), and past this point it overflows far from the setting's name."""
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if prefix == "" and k == "hydra":
+                    continue
+                walk(v, f"{prefix}{k}.")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{prefix[:-1]}[{i}].")
+        elif _is_int(node) and abs(node) > MAX_INT:
+            name = prefix[:-1]
+            _fail_big(name, node)
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+
+
+def _fail_big(setting: str, value: int) -> None:
+    digits = len(str(abs(value))) if value.bit_length() < 14000 else None
+    size = f"an integer of {digits} digits" if digits else "an integer of over 4000 digits"
+    raise ValueError(
+        f"{setting}: {size} is out of range (at most 2**63 - 1 = {MAX_INT}); give a value that fits the setting"
+        + (f", e.g. {setting}=0" if setting.endswith("seed") else "")
+    )
+
+
 def check_settings(cfg: DictConfig | Mapping) -> None:
     """Check every top-level, ``generation``, ``model``, common ``task`` and ``protocol`` setting of a composed config.
 
@@ -378,6 +413,7 @@ def check_settings(cfg: DictConfig | Mapping) -> None:
     """
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.create(dict(cfg))
+    _check_int_range(cfg)
     _check_top_level(cfg)
     _check_generation(cfg)
     _check_model(cfg)

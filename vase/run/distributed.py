@@ -25,6 +25,11 @@ How a run is shared (:func:`vase.run.runner.run`):
 Resume: readers take the union of ``samples.jsonl`` and the parts, so a relaunch (any number of ranks) decodes only
 the samples that are in no file: those that were in flight or being graded when a rank died.
 
+Start: the ranks meet at ``MASTER_ADDR:MASTER_PORT`` (:func:`_rendezvous`) and wait at most :data:`TIMEOUT_ENV`
+seconds for each other: a rank that never starts is one line on every rank that did, naming how many joined, never
+a silent wait ending in a traceback. Then every rank compares its command line, settings and run with rank 0's
+(:mod:`vase.run.agreement`): ranks started with different settings all stop with the same line naming the first.
+
 Failure: every phase ends in a collective (:meth:`World.step`) where each rank reports success or its error; if any
 rank failed, every rank raises the same one-line error (a ``ValueError`` stays a ``ValueError``; anything else is
 :class:`RankFailed` on the other ranks, the original with its traceback on the rank it happened on), so a ``-m``
@@ -332,7 +337,8 @@ def _start(launch: Launch) -> World:
         _slurm_rendezvous(launch)
     timeout = timedelta(seconds=_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
     if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=launch.rank, world_size=launch.size, timeout=timeout)
+        store = _rendezvous(launch, timeout.total_seconds())
+        dist.init_process_group("gloo", store=store, rank=launch.rank, world_size=launch.size, timeout=timeout)
     wait = dist.new_group(backend="gloo", timeout=timedelta(seconds=_seconds(WAIT_ENV, DEFAULT_WAIT_S)))
     hosts: list[Any] = [None] * launch.size
     dist.all_gather_object(hosts, socket.gethostname())
@@ -341,6 +347,87 @@ def _start(launch: Launch) -> World:
     world = World(launch.rank, launch.size, local_rank, len(here), launch.source, wait)
     logger.info("rank %d of %d (%s, local rank %d of %d)", world.rank, world.size, world.source, local_rank, len(here))
     return world
+
+
+def _reachable(addr: str, port: int) -> bool:
+    """Whether something accepts TCP connections at ``addr:port`` (rank 0's store, once it is up)."""
+    try:
+        with socket.create_connection((addr, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _rendezvous(launch: Launch, seconds: float) -> Any:
+    """The store the process group starts from, once every rank has joined it; a bounded wait otherwise.
+
+    As torch's ``env://`` rendezvous: under torchrun every rank is a client of the agent's store
+    (``TORCHELASTIC_USE_AGENT_STORE``), else rank 0 hosts it at ``MASTER_ADDR:MASTER_PORT``. Each rank then counts
+    itself in and waits until all ``size`` have, for at most ``seconds`` (:data:`TIMEOUT_ENV`): a rank that never
+    starts is one line on every rank that did, naming how many joined (:class:`RankFailed`), not a hang of the default
+    30 minutes ending in a traceback.
+    """
+    import time
+
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port or not port.isdigit():
+        raise ValueError(
+            f"rank {launch.rank} of {launch.size}: MASTER_ADDR / MASTER_PORT are not set (got {addr!r}, {port!r}); "
+            "start the ranks with torchrun or srun, or set both to rank 0's host and a free port"
+        )
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    master = launch.rank == 0 and not agent
+    where = f"{addr}:{port}"
+    limit = f"{seconds:g} s ({TIMEOUT_ENV})"
+    deadline = time.monotonic() + seconds
+    if not master:  # wait for rank 0 here, quietly (torch's client logs every failed try with a C++ stack)
+        while not _reachable(addr, int(port)):
+            if time.monotonic() >= deadline:
+                raise RankFailed(
+                    f"rank {launch.rank}: could not reach rank 0 at {where} within {limit}; start rank 0 (every one "
+                    f"of the {launch.size} ranks, with the same MASTER_ADDR / MASTER_PORT) and rerun the same command"
+                )
+            time.sleep(0.2)
+    try:
+        store = dist.TCPStore(
+            addr,
+            int(port),
+            launch.size,
+            is_master=master,
+            timeout=timedelta(seconds=max(1.0, deadline - time.monotonic()) if not master else seconds),
+            wait_for_workers=False,
+            multi_tenant=master,
+        )
+    except Exception as err:  # no rank 0 to reach in time, or its port taken
+        if master:
+            raise RankFailed(
+                f"rank 0: cannot host the ranks' rendezvous at {where} ({_one_line(err)[:200]}); set MASTER_PORT to a "
+                "free port on every rank"
+            ) from None
+        raise RankFailed(
+            f"rank {launch.rank}: could not reach rank 0 at {where} within {limit}; start rank 0 (every one of the "
+            f"{launch.size} ranks, with the same MASTER_ADDR / MASTER_PORT) and rerun the same command"
+        ) from None
+    key = f"vase/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/joined"
+    try:
+        joined = store.add(key, 1)
+        while joined < launch.size and time.monotonic() < deadline:
+            time.sleep(0.05)
+            joined = store.add(key, 0)
+    except Exception as err:  # rank 0 went away (it gave up waiting, or died)
+        raise RankFailed(
+            f"rank {launch.rank}: lost rank 0's rendezvous at {where} ({_one_line(err)[:200]}); start every one of the "
+            f"{launch.size} ranks together and rerun the same command"
+        ) from None
+    if joined < launch.size:
+        raise RankFailed(
+            f"rank {launch.rank}: only {joined} of {launch.size} ranks joined within {limit}; start every rank "
+            f"(torchrun --nproc-per-node {launch.size}, or srun with {launch.size} tasks), or raise {TIMEOUT_ENV}, "
+            "then rerun the same command"
+        )
+    return store
 
 
 # --------------------------------------------------------------------------------------------------------------------

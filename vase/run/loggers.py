@@ -95,11 +95,11 @@ class WandbLogger(NullLogger):
             return
         import wandb
 
-        from vase.run.results import SAMPLES, read_jsonl_tolerant
+        from vase.run.results import read_samples
 
         self.run.summary.update({k: v for k, v in metrics.items() if v is not None})
         if self.log_samples:
-            rows = read_jsonl_tolerant(Path(run_dir) / SAMPLES)
+            rows = read_samples(Path(run_dir))  # the schema-checked lines
             cols = [
                 "problem_id",
                 "sample",

@@ -276,7 +276,7 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
     prep.data_copy = data_copy(prep.task)
     data = {"data": prep.task.resolved_sources(), "data_copy": prep.data_copy}
     check_resolved(run_dir, data, write=False)  # refuse a resume on changed data (read-only)
-    done_rows = read_samples(run_dir)  # samples.jsonl and the rank part files of a data-parallel run
+    done_rows = read_samples(run_dir, for_metrics=True)  # samples.jsonl and the rank part files of a data-parallel run
     done = {(r["problem_id"], r["sample"]) for r in done_rows}
     pending = [(p, [i for i in range(prep.n_samples) if (p.id, i) not in done]) for p in problems]
     pending = [(p, missing) for p, missing in pending if missing]
@@ -284,6 +284,7 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
     if pending:
         setting = "task.max_length" if cfg.generation.max_length is None else "generation.max_length"
         config = check_model(prep.model_spec, prep.max_length, setting, machine, cache)
+        prep.policy.check_model(config)  # fields that depend on the model (Quest's dense_layers), before any weight
         work = measure(prep, pending, load_tokenizer(prep.model_spec, cache))
         spec, _ = resolved_spec(prep, work)
         check_cache(prep, spec, [(w.ids, w.missing) for w in work], config, setting, machine)

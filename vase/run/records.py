@@ -186,7 +186,9 @@ def compute_metrics(
             problem with samples on disk, plus these (``restrict`` limits them to these, e.g. for a shard merge).
         info: policy, task, model, budget... copied into the metrics so they are self-describing.
     """
-    rows = read_samples(run_dir)  # samples.jsonl and, mid-way through a data-parallel run, the rank part files
+    rows = read_samples(
+        run_dir, for_metrics=True
+    )  # schema-checked; samples.jsonl and, mid-way through a data-parallel run, the rank part files
     requested = set(problem_ids)
     # in (problem, sample) order: the sums below do not depend on the order the lines were written in (one process or
     # several ranks, grading inline or in the background)

@@ -42,10 +42,15 @@ import platform
 import signal
 import subprocess
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from vase.run.schema import SAMPLE_FIELDS, BadSample, check_sample, first_nonfinite
+
+__all__ = ["SAMPLE_FIELDS", "BadSample"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +60,6 @@ RESOLVED = "resolved.json"
 PROTOCOL = "protocol.json"
 LOCK = ".vase.lock"
 RANKS = "ranks"  # the per-rank part files of a data-parallel run
-#: the fields every line of ``samples.jsonl`` has (:func:`read_samples`)
-SAMPLE_FIELDS = ("problem_id", "sample", "correct")
 #: the test hook of the module docstring (:func:`kill_point`)
 KILL_ENV = "VASE_TEST_KILL_AT"
 KILL_EVENTS = ("submitted", "written")
@@ -137,24 +140,16 @@ def sample_file(run_dir: Path, rank: int | None = None) -> Path:
     return Path(run_dir) / SAMPLES if rank is None else part_path(run_dir, rank, SAMPLES)
 
 
-def _sample_rows(path: Path, repair: bool = False) -> list[dict]:
-    """The lines of one samples file (:func:`read_jsonl_tolerant`), each checked to be a sample: a line that is valid
-    JSON but not an object with :data:`SAMPLE_FIELDS` is a one-line ``ValueError`` naming the file and the line."""
-    rows = _numbered_rows(path, repair)
+def _sample_rows(path: Path, repair: bool = False, for_metrics: bool = False) -> list[dict]:
+    """The lines of one samples file (:func:`read_jsonl_tolerant`), each checked against the schema of
+    :mod:`vase.run.schema` (a line that is not a sample, a field of the wrong type, a NaN or an infinity: a one-line
+    :class:`BadSample` naming the file, the line and the field). Every line is checked before the file is repaired, so
+    a bad file is never touched."""
+    rows = _numbered_rows(path, repair=False)
     for lineno, row in rows:
-        ok = isinstance(row, dict) and all(k in row for k in SAMPLE_FIELDS)
-        if ok and not (isinstance(row["problem_id"], str) and isinstance(row["sample"], int)):
-            ok = False
-        if not ok:
-            what = (
-                f"an object without {', '.join(k for k in SAMPLE_FIELDS if k not in row)}"
-                if isinstance(row, dict)
-                else f"a JSON {type(row).__name__}"
-            )
-            raise ValueError(
-                f"{path}: line {lineno} is not a sample ({what}; every line vase writes is an object with "
-                f"{', '.join(SAMPLE_FIELDS)}); delete that line or restore the file from a copy, then rerun"
-            )
+        check_sample(row, path, lineno, for_metrics)
+    if repair:
+        _numbered_rows(path, repair=True)
     return [row for _, row in rows]
 
 
@@ -166,16 +161,21 @@ def _throughput_key(row: Mapping) -> tuple:
     return (row.get("rank"), row.get("time"))
 
 
-def read_samples(run_dir: Path, repair: bool = False) -> list[dict]:
+def read_samples(run_dir: Path, repair: bool = False, for_metrics: bool = False) -> list[dict]:
     """Every sample of a run directory: ``samples.jsonl``, then the rank part files of a data-parallel run under way
     or killed, each ``(problem_id, sample)`` once (the first line written wins); every line checked to be a sample
     (one line naming the file and the line otherwise). ``repair`` cuts a torn last line off every file (a process
-    killed mid-write), so appends continue cleanly."""
+    killed mid-write), so appends continue cleanly, once every file's lines passed the schema; ``for_metrics``: every
+    line must also carry the fields the metrics read (:data:`vase.run.schema.METRIC_FIELDS`)."""
     if Path(run_dir).is_file():  # a samples file given for its directory would read as no samples at all
         raise ValueError(f"read_samples: {run_dir} is a file; give the run directory that holds it")
     rows, seen = [], set()
-    for path in [Path(run_dir) / SAMPLES, *part_files(run_dir, SAMPLES)]:
-        for r in _sample_rows(path, repair):
+    paths = [Path(run_dir) / SAMPLES, *part_files(run_dir, SAMPLES)]
+    if repair:  # every file checked before any is repaired
+        for path in paths:
+            _sample_rows(path, for_metrics=for_metrics)
+    for path in paths:
+        for r in _sample_rows(path, repair, for_metrics):
             if _sample_key(r) not in seen:
                 seen.add(_sample_key(r))
                 rows.append(r)
@@ -270,21 +270,44 @@ def kill_point(event: str) -> None:
 
 
 def append_jsonl(path: Path, rows: Iterable[Mapping]) -> None:
-    """Append rows and make them durable (flush + fsync) before returning."""
-    with open(path, "a", encoding="utf-8") as f:
+    """Append rows and make them durable (flush + fsync) before returning. A failed write (a full disk, a lost
+    permission) raises an ``OSError`` that names ``path`` (the OS reports a failed write or fsync without a file)."""
+    with _naming(path), open(path, "a", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, default=str) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
 
+@contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Re-raise an ``OSError`` without a file name (``write``, ``fsync`` and ``flush`` report none) as one that names
+    ``path``, so the one-line error says which file could not be written."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None:
+            raise
+        raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+
+
 def write_json(path: Path, obj: Any) -> None:
-    """Write JSON atomically (temp file + rename); a file that already holds exactly this JSON is left untouched."""
-    text = json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
+    """Write JSON atomically (temp file + rename); a file that already holds exactly this JSON is left untouched.
+
+    A non-finite number (NaN, infinity) is never written: a one-line ``ValueError`` naming the file and the key,
+    before the file is touched."""
+    bad = first_nonfinite(obj)
+    if bad is not None:
+        raise ValueError(
+            f"{path}: not written, {bad} is not a finite number (NaN or infinity is an error, never data); this is a "
+            "bug of the code that computed it: rerun with raise_errors=true and report it"
+        )
+    text = json.dumps(obj, indent=2, sort_keys=True, default=str, allow_nan=False) + "\n"
     if path.is_file() and path.read_bytes() == text.encode():
         return
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
+    with _naming(tmp):
+        tmp.write_text(text)
     tmp.replace(path)
 
 

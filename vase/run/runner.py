@@ -23,12 +23,14 @@ any rank is raised on every rank, as the same one line.
 
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import ExitStack
 from dataclasses import replace
 
 from omegaconf import DictConfig, OmegaConf
 
+from vase.run.agreement import SAME_COMMAND, agree_on
 from vase.run.decoding import decode
 from vase.run.distributed import World, current_world
 from vase.run.grading_pool import Grader, grade_workers
@@ -57,6 +59,7 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     """Run (or resume) one configuration; return its metrics (every rank of a data-parallel run returns rank 0's, or
     raises the same error). See the module docstring."""
     world = current_world()
+    agree_on(world, "the settings", _settings(cfg), SAME_COMMAND)  # before anything is written
     device = world.pick_device(str(cfg.model.get("device", "auto")))  # None with one process: model.device as set
     started: list = []  # the logger rank 0 started, to abort if anything after it fails
     with ExitStack() as held:  # rank 0 holds the run directory's lock until the metrics are written
@@ -64,6 +67,7 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
             p, run_logger = world.leader_first(
                 "opening the run", lambda leader: _open(cfg, device, held if leader else None, started)
             )
+            _same_run(world, p)
             _same_work(world, p)
             share = world.share(p.work)  # the problems with samples to decode, dealt round-robin over the ranks
             sessions = world.step("decoding", lambda: _decode_share(p, share, world, run_logger, progress), wait=True)
@@ -96,7 +100,7 @@ def _take(p: RunPlan) -> RunPlan:
     by a kill mid-write, is cut off, in the rank part files too), then write the protocol, what was loaded and the
     config. Returns the plan with the samples done and the work as they are now."""
     prep, cfg, run_dir = p.prep, p.prep.cfg, p.prep.run_dir
-    done_rows = read_samples(run_dir, repair=True)
+    done_rows = read_samples(run_dir, repair=True, for_metrics=True)
     work = still_to_do(p, done_rows)
     logger.info(
         "run dir %s: %d problems, %d samples done, %d problems to decode",
@@ -114,6 +118,24 @@ def _take(p: RunPlan) -> RunPlan:
         config_file.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     read_throughput(run_dir, repair=True)
     return replace(p, done_rows=done_rows, work=work)
+
+
+def _settings(cfg: DictConfig) -> dict:
+    """The resolved settings every rank must share (Hydra's own node left out: each rank has its output dir)."""
+    return {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
+
+
+def _same_run(world: World, p: RunPlan) -> None:
+    """Every rank resolved the same run: the run directory (absolute), the protocol, the data it read (hashes, hub
+    commits) and the weights; else every rank stops with the same one line naming the first difference."""
+    if world.size == 1:
+        return
+    identity = {
+        "run_dir": str(p.prep.run_dir.resolve()),
+        "protocol": json.loads(json.dumps(p.prep.protocol, default=str)),
+        "resolved": json.loads(json.dumps({**p.data, "model": p.prep.model_spec.resolve()}, default=str)),
+    }
+    agree_on(world, "the run", identity, SAME_COMMAND.replace("; nothing was written", ""))
 
 
 def _same_work(world: World, p: RunPlan) -> None:

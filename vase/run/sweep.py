@@ -124,6 +124,9 @@ def run_job(cfg: DictConfig, report: Callable[[dict], None]) -> float | None:
             line += f" (an unexpected error: the traceback is in {where}; rerun with raise_errors=true to see it)"
         logger.error("error: %s", line)
         if not multirun:
+            from vase.run.agreement import record_for_torchrun
+
+            record_for_torchrun(f"error: {line}")
             sys.exit(code)
         _failed_here += 1
         _write_outcome({"status": "failed", "error": line, "kind": kind})
