@@ -676,7 +676,7 @@ def test_unreachable_hub_switches_to_offline_and_fails_at_once(probe_env: pytest
     assert attempts == [("127.0.0.1", port)]  # the probe, once; no retries, no download attempt
     text = str(err.value)
     assert text.startswith("task aime25: cannot load dataset math-ai/aime25 (offline or unreachable: http://127.0.0.1:")
-    assert "task.data_dir=../shared/data" in text and "\n" not in text
+    assert "point task.data_dir at a local copy (a directory of JSONL files" in text and "\n" not in text
     assert vase.hub.hf_offline() and huggingface_hub.constants.HF_HUB_OFFLINE is True and datasets.config.HF_HUB_OFFLINE
 
 

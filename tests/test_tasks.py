@@ -455,7 +455,7 @@ def test_offline_hub_fails_fast_with_one_clear_error(
         cls().load()
     text = str(err.value)
     assert HUB_NAMES[cls] in text
-    assert "task.data_dir=../shared/data" in text
+    assert "point task.data_dir at a local copy (a directory of JSONL files" in text
     assert "\n" not in text
 
 
