@@ -263,7 +263,7 @@ def _flash_decode(query, layer, scaling):
     from flash_attn import flash_attn_with_kvcache  # optional dependency (the [gpu] extra)
 
     owner = layer.owner
-    n = owner.n_live
+    n = owner.step_rows
     k_cache = layer.keys[:n].transpose(1, 2)  # (n, capacity, H, D) view: the last dim stays contiguous
     v_cache = layer.values[:n].transpose(1, 2)
     out = flash_attn_with_kvcache(
@@ -332,8 +332,7 @@ def _group_view(bias: torch.Tensor, heads: int) -> torch.Tensor:
 def _eager_mask(cache, query: torch.Tensor, key: torch.Tensor, selected: torch.Tensor | None) -> torch.Tensor | None:
     """The eager reference's bool mask, broadcastable to ``(n, Hq, 1, L)``."""
     if selected is None:
-        held = cache.length_mask(query.shape[0], key.shape[2])
-        return None if held is None else held[:, None, None, :]
+        return cache.length_mask(query.shape[0], key.shape[2])[:, None, None, :]
     groups = query.shape[1] // selected.shape[1]
     return _repeat_kv(selected, groups).unsqueeze(2)
 
