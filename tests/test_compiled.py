@@ -204,6 +204,10 @@ def test_compile_choice_rules():
     assert not on and "amortise" in why
     on, why = compile_choice("auto", cuda, load_policy("vase_dkv"), 4096)
     assert on and why.startswith("auto: on")
+    on, why = compile_choice("auto", cuda, load_policy("vase_dkv"), 4096, "flash_attn")
+    assert not on and "flash_attn" in why
+    with pytest.raises(ValueError, match="generation.compile=on: flash_attn_with_kvcache"):
+        compile_choice("on", cuda, load_policy("vase_dkv"), 4096, "flash_attn")
 
 
 #: aten ops that only make a view (no kernel launch on CUDA)

@@ -37,12 +37,18 @@ COMPILE_SETTINGS = ("auto", "on", "off")
 MIN_STEPS = 256
 
 
+#: why the compiled step does not run FlashAttention-2
+NO_FLASH = "flash_attn_with_kvcache is a C++ extension call that dynamo cannot trace into a full graph"
+
+
 def host_selection(policy) -> bool:
     """Whether the policy's decode-time work reads per-row host state inside the forward (selection policies)."""
     return getattr(policy, "kind", None) == "selection"
 
 
-def compile_choice(setting: Any, device: torch.device, policy, expected_steps: int | None) -> tuple[bool, str]:
+def compile_choice(
+    setting: Any, device: torch.device, policy, expected_steps: int | None, attn_backend: str = "auto"
+) -> tuple[bool, str]:
     """``(compile?, why)`` for ``generation.compile=setting``; a one-line ``ValueError`` for a bad or impossible one.
 
     Args:
@@ -50,6 +56,8 @@ def compile_choice(setting: Any, device: torch.device, policy, expected_steps: i
         device: the model's device.
         policy: the cache policy.
         expected_steps: tokens a row may decode (its output cap), or ``None`` if unknown.
+        attn_backend: ``generation.attn_backend``; an explicit ``flash_attn`` is not compiled (:data:`NO_FLASH`;
+            with ``auto`` a compiled decoder runs SDPA).
     """
     if setting is True:
         setting = "on"
@@ -64,6 +72,10 @@ def compile_choice(setting: Any, device: torch.device, policy, expected_steps: i
         if setting == "on":
             raise ValueError(f"generation.compile=on: {why}; use generation.compile=auto or off")
         return False, f"auto: off, {why}"
+    if attn_backend == "flash_attn":
+        if setting == "on":
+            raise ValueError(f"generation.compile=on: {NO_FLASH}; use generation.attn_backend=auto or sdpa")
+        return False, f"auto: off, generation.attn_backend=flash_attn ({NO_FLASH})"
     if device.type == "cpu" and not cxx_compiler():
         why = "no C++ compiler on PATH (inductor needs one on the CPU)"
         if setting == "on":

@@ -40,7 +40,7 @@ import torch
 
 from vase.engine.attention import attention_report, backend_choice, vase_attention
 from vase.engine.cache import VaseCache, cache_capacity, row_buckets, to_device
-from vase.engine.compiled import compile_choice, compile_forward, compile_mode, mark_static
+from vase.engine.compiled import NO_FLASH, compile_choice, compile_forward, compile_mode, mark_static
 from vase.engine.geometry import model_geometry
 from vase.engine.policy import Policy
 from vase.engine.requests import DecodeStats, Finished, Request, StepInfo, _Row
@@ -137,9 +137,15 @@ class Decoder:
         self.max_length = max_length
         param = next(model.parameters())
         self.device = param.device
+        expected = max_new_tokens if max_new_tokens is not None else max_length
+        self.compiled, self.compile_reason = compile_choice(compile, self.device, policy, expected, attn_backend)
+        self.compile_setting = compile
+        logger.info("decode step compile: %s (%s)", "on" if self.compiled else "off", self.compile_reason)
         self.backend, self.backend_reason = backend_choice(attn_backend, self.device, param.dtype)
+        if self.compiled and self.backend == "flash_attn":  # auto: the compiled step cannot trace flash-attn's call
+            self.backend, self.backend_reason = "sdpa", f"auto: sdpa, the compiled step runs SDPA ({NO_FLASH})"
         logger.info("attention backend: %s (%s)", self.backend, self.backend_reason)
-        if attn_backend == "auto" and self.device.type == "cuda" and self.backend != "flash_attn":
+        if attn_backend == "auto" and self.device.type == "cuda" and self.backend != "flash_attn" and not self.compiled:
             logger.warning(
                 "attn_backend=auto falls back to SDPA: %s (install: pip install flash-attn --no-build-isolation)",
                 self.backend_reason.removeprefix("auto: "),
@@ -172,10 +178,6 @@ class Decoder:
         self._buf = torch.zeros((rows, self.sync_every), dtype=torch.long, device=self.device)
         self._finite = torch.ones((rows, self.sync_every), dtype=torch.bool, device=self.device)
         self._t0 = time.perf_counter()
-        expected = max_new_tokens if max_new_tokens is not None else max_length
-        self.compiled, self.compile_reason = compile_choice(compile, self.device, policy, expected)
-        self.compile_setting = compile
-        logger.info("decode step compile: %s (%s)", "on" if self.compiled else "off", self.compile_reason)
         self._forward = self._decode_forward
         self._static_marked = False
         if self.compiled:

@@ -238,7 +238,8 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
         from vase.engine.compiled import compile_choice  # torch: only once the run has work
 
         # generation.compile=on that cannot run (a selection policy, no C++ compiler on the CPU): one line, now
-        compile_choice(cfg.generation.get("compile", "off"), spec.resolved_device(), prep.policy, prep.max_length)
+        g = cfg.generation
+        compile_choice(g.get("compile", "off"), spec.resolved_device(), prep.policy, prep.max_length, g.attn_backend)
         check_resolved(run_dir, {"model": prep.model_spec.resolve()}, write=False)  # refuse changed weights
     check_protocol(run_dir, comparable(run_dir, with_dtype(prep, work)), write=False)
     return RunPlan(prep, problems, data, done_rows, work)
