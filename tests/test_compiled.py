@@ -90,7 +90,7 @@ def staggered(model, name: str, compile: str, backend=None, on_step=None, steps_
     torch._dynamo.reset()
     policy = load_policy(name)
     reqs = [Request(p, sample_seeds(100 + i, 2), key=i) for i, p in enumerate(prompts((11, 27, 19, 40, 9, 33, 14, 22)))]
-    max_new = 128
+    max_new = 160
     cap = max(cache_capacity(policy, len(r.prompt_ids), max_new) for r in reqs)
     buckets: set[int] = set()
     addresses: list[dict] = []
@@ -108,7 +108,7 @@ def staggered(model, name: str, compile: str, backend=None, on_step=None, steps_
         capacity=cap,
         sampling=SAMPLING,
         max_new_tokens=max_new,
-        eos_token_ids=range(0, 3),
+        eos_token_ids=range(0, 2),
         on_step=step,
         compile=compile,
         compile_backend=backend,

@@ -11,8 +11,9 @@ With a :class:`~vase.engine.cache.VaseCache` passed as the ``vase_cache`` keywor
 3. runs the main attention without materialising the attention matrix, each row over its own held tokens:
 
    * SDPA (:func:`decode_attention`): each KV group's query heads packed into the query-length axis, ``(n, H, G, D)``
-     queries against the ``(n, H, L, D)`` storage views, with an additive ``(n, 1, 1, L)`` row mask (a
-     ``(n, H, 1, L)`` / ``(n, H, G, L)`` one with a selection) when the rows hold different lengths: never
+     queries against the ``(n, H, L, D)`` storage views (``L`` the step's fixed span, see
+     :meth:`vase.engine.cache.VaseCache.prepare_step`), with an additive ``(n, 1, 1, L)`` row mask, always (a
+     ``(n, H, 1, L)`` / ``(n, H, G, L)`` one with a selection): never
      ``enable_gqa`` together with a mask, so CUDA runs it on a fused kernel (memory-efficient or cuDNN with a mask,
      FlashAttention without) and never on the math kernel (``docs/architecture.md``, "Attention kernels");
    * FlashAttention-2 (``flash_attn_with_kvcache`` on the preallocated storage with per-row ``cache_seqlens``) when
@@ -286,7 +287,7 @@ def vase_attention_forward(
 
     Args:
         query: ``(B, Hq, T, D)`` post-RoPE queries; key, value: what the cache's ``update`` returned,
-            ``(B, H, L, D)`` (at a decode step: the live rows' storage up to the longest row).
+            ``(B, H, L, D)`` (at a decode step: the rows' storage over the step's fixed span ``cache.step_length``).
 
     Returns:
         ``((B, T, Hq, D), None)`` as transformers expects; attention weights are never materialised.
