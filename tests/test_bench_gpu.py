@@ -166,7 +166,9 @@ def test_gpu_smoke_dry_run_runs_every_section(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads((tmp_path / "result.json").read_text())
-    assert record["ok"] and set(record["seconds"]) == {"env", "kernel", "decode", "rows"}
+    assert record["ok"] and set(record["seconds"]) == {"env", "kernel", "decode", "compile", "rows"}
+    same, total = record["compile"]["samples_equal"].split("/")
+    assert record["compile"]["on"]["compile"]["compiled"] and same == total
     assert all(r["ok"] for r in record["kernel"]["pairs"])
     assert [r["policy"] for r in record["rows"]] == ["full", "vase_dkv", "full", "vase_dkv"]
     table = (tmp_path / "table.txt").read_text()

@@ -95,6 +95,7 @@ BAD = [
     ("generation.kv_memory=lots", "generation.kv_memory"),
     ("generation.kv_memory=0", "generation.kv_memory"),
     ("generation.batching=eager", "generation.batching"),
+    ("generation.compile=sometimes", "generation.compile"),
 ]
 
 

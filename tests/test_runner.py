@@ -231,6 +231,9 @@ def test_run_writes_a_complete_result_directory(tmp_path):
     assert attention["backend"] == "sdpa" and attention["backend_choice"].startswith("auto: ")
     assert set(attention["sdpa_kernels"].values()) == {"aten._scaled_dot_product_flash_attention_for_cpu"}
     assert attention["device"] == "cpu" and {"device_name", "cuda", "cudnn"} <= set(attention)
+    # generation.compile=auto on the CPU: off, and the manifest says why
+    assert manifest["compile"]["setting"] == "auto" and not manifest["compile"]["compiled"]
+    assert manifest["compile"]["choice"].startswith("auto: off on cpu")
     rows = read_jsonl_tolerant(run_dir / "samples.jsonl")
     assert {r["sample"] for r in rows} == {0, 1}
     assert all(r["budget"] == 32 and r["compression_ratio"] >= 1 for r in rows)

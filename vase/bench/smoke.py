@@ -14,9 +14,15 @@ the whole run at 470 s and the partial table is still printed):
    samples than rows from prompts of different lengths and different output caps, so rows hold different lengths,
    evict at different steps and are refilled as samples end (the runner's path through
    :class:`vase.engine.Decoder`); every sample must end at its cap with finite logits.
-4. ``rows`` — tok/s against rows at equal KV memory, ``full`` against ``vase_dkv`` (ratio 4), staggered prompts:
+4. ``compile`` — the decode's workload (one sample per row, one output cap: one row bucket) eager and compiled
+   (``generation.compile=on``: inductor with CUDA graphs on CUDA; dynamo alone in the dry run), side by side: tok/s,
+   the median step against the memory floor (weights + allocated KV bytes over a measured device copy's bandwidth),
+   the slowest first step at a new number of live rows (a graph compile or a plan build shows there), and whether
+   the samples agree with eager. ``env`` also checks the installed transformers against ``pyproject.toml``'s range
+   in one line (with the offline install when it is outside).
+5. ``rows`` — tok/s against rows at equal KV memory, ``full`` against ``vase_dkv`` (ratio 4), staggered prompts:
    :func:`vase.bench.gpu_rows.equal_memory` at an 8K context, levels 5 to 40 GiB.
-5. peak memory — per section (CUDA ``max_memory_allocated``; on the CPU the process's peak RSS).
+6. peak memory — per section (CUDA ``max_memory_allocated``; on the CPU the process's peak RSS).
 
 ``--dry-run`` runs every section on the CPU with tiny shapes in float32: every code path the GPU run takes except the
 kernels themselves (the time caps are off unless ``--cap-scale`` sets them).
@@ -44,7 +50,7 @@ from vase.bench.shapes import build_model
 logger = logging.getLogger(__name__)
 
 #: seconds per section on the GPU (their sum, with start-up, stays under the shell script's 470 s)
-CAPS = {"env": 30.0, "kernel": 120.0, "decode": 80.0, "rows": 190.0}
+CAPS = {"env": 30.0, "kernel": 110.0, "decode": 70.0, "compile": 100.0, "rows": 150.0}
 
 GPU = dict(
     device="cuda",
@@ -113,6 +119,9 @@ def section_env(sec: Section, dtype: torch.dtype) -> dict:
         info["flash_attn"] = f"{type(err).__name__}: {err}"[:120]
     info["auto_backend_bf16"] = _auto_backend(dev, torch.bfloat16)
     sec.add("device", f"{name}, torch {info['torch']}, CUDA {info['cuda']}, cuDNN {info['cudnn']}")
+    ok, line = transformers_check()
+    info["transformers"] = line
+    sec.add("transformers", line, ok=ok)
     sec.add("flash_attn", info["flash_attn"])
     sec.add("attn_backend=auto (bf16)", info["auto_backend_bf16"])
     kernels = default_kernels(dev, dtype)
@@ -204,6 +213,98 @@ def section_decode(sec: Section, model, cfg: dict) -> dict:
     return out
 
 
+def transformers_check() -> tuple[bool, str]:
+    """Whether the installed transformers is in the range ``pyproject.toml`` asks for, in one line (with the offline
+    fix when it is not: a GPU image may ship another release)."""
+    import re
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    pin = re.search(r'"(transformers[^"]*)"', (REPO / "pyproject.toml").read_text())
+    req = Requirement(pin.group(1))
+    have = version("transformers")
+    if req.specifier.contains(have, prereleases=True):
+        return True, f"transformers {have} (needs {req.specifier})"
+    return False, (
+        f"FAIL: transformers {have} is outside {req.specifier}; offline: `pip download 'transformers{req.specifier}' "
+        "--no-deps -d wheels/` on a connected machine, copy wheels/, then `pip install --no-deps wheels/transformers-*`"
+    )
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of a device-to-device copy of ``nbytes`` (read + write counted): the memory floor's divisor."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src)
+    sync(device)
+    return 2 * 5 * src.nbytes / (time.perf_counter() - t0)
+
+
+def section_compile(sec: Section, model, cfg: dict, dry_run: bool) -> dict:
+    """The decode section's workload eager and compiled (``generation.compile``; CUDA graphs on CUDA), side by side:
+    tok/s, mean step time against the memory floor (weights + allocated KV bytes / measured copy bandwidth), and
+    whether the samples agree. The dry run compiles with dynamo's ``eager`` backend (every code path of the compiled
+    step but inductor's code and the capture)."""
+    from vase.bench.jobs import make_policy
+    from vase.engine import Decoder, SamplingConfig, cache_capacity
+
+    policy = make_policy(cfg["policy"], cfg["budget"], cfg["window"])
+    # one sample per row, one output cap: every step in one row bucket (one graph to compile and capture)
+    lens, caps, samples = cfg["prompt_lens"], [max(cfg["max_new_tokens"])], cfg["rows"]
+    out: dict = {}
+    tokens: dict = {}
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    bw = copy_bandwidth(sec.device, 2**22 if dry_run else 2**30)
+    for mode in ("off", "on"):
+        reqs = staggered_requests(lens, samples, model.config.vocab_size, seed=3, max_new_tokens=caps)
+        walls: list[tuple[int, float]] = []  # (live rows, wall clock) after each step
+        dec = Decoder(
+            model,
+            policy,
+            rows=cfg["rows"],
+            capacity=max(cache_capacity(policy, p, c) for p, c in zip(lens, caps)),
+            sampling=SamplingConfig(temperature=0.6, top_p=0.95, top_k=20),
+            max_new_tokens=max(caps),
+            ignore_eos=True,
+            on_step=deadline_hook(sec.deadline, lambda info, w=walls: w.append((info.active_rows, info.wall_seconds))),
+            compile=mode,
+            compile_backend="eager" if dry_run and mode == "on" else None,
+        )
+        done = list(dec.run(reqs))
+        if dec.device.type == "cuda":
+            torch.cuda.synchronize(dec.device)
+        st = dec.stats
+        steps = [(r, 1e3 * (b - a)) for (_, a), (r, b) in zip(walls, walls[1:])]
+        step_ms = sorted(ms for _, ms in steps)[len(steps) // 2] if steps else float("nan")  # median: warm steps
+        first = {}  # the first step at each number of live rows (a new graph, or a new plan, is built there)
+        for r, ms in steps:
+            first.setdefault(r, ms)
+        floor_ms = 1e3 * (weights + dec.geometry.kv_bytes) / bw
+        tokens[mode] = {(f.key, f.sample): f.tokens for f in done}
+        out[mode] = dict(
+            tok_s=st.tokens / st.decode_seconds if st.decode_seconds else None,
+            step_ms=step_ms,
+            first_step_ms_max=max(first.values(), default=None),
+            floor_ms=floor_ms,
+            compile=dec.compile_report(),
+        )
+        what = "eager" if mode == "off" else ("compiled (dynamo only)" if dry_run else "compiled + CUDA graphs")
+        line = f"median step {step_ms:.2f} ms = {step_ms / floor_ms:.1f}x the floor {floor_ms:.2f} ms"
+        line += f"; slowest first step at a new row count {out[mode]['first_step_ms_max'] or 0:.0f} ms"
+        sec.add(what, line, rows=cfg["rows"], tok_s=out[mode]["tok_s"])
+    same = sum(tokens["on"].get(k) == v for k, v in tokens["off"].items())
+    out["samples_equal"] = f"{same}/{len(tokens['off'])}"
+    # float32 (the dry run): identical; bf16 on a GPU, inductor's fused kernels may round differently (reported)
+    sec.add("samples equal to eager", out["samples_equal"], ok=same == len(tokens["off"]) or not dry_run)
+    return out
+
+
 def section_rows(sec: Section, model, cfg: dict) -> list[dict]:
     """Tok/s against rows at equal KV memory: :func:`vase.bench.gpu_rows.equal_memory`."""
     args = argparse.Namespace(**cfg)
@@ -271,8 +372,11 @@ def run(args: argparse.Namespace) -> tuple[list[Section], dict]:
                     if model is None:
                         model_name = conf["decode"]["model"]
                         model = build_model(model_name, dtype, device, seed=0, max_tokens=conf["rows"]["context"] + 512)
-                    fn = section_decode if name == "decode" else section_rows
-                    record[name] = fn(sec, model, conf[name])
+                    if name == "compile":
+                        record[name] = section_compile(sec, model, conf["decode"], args.dry_run)
+                    else:
+                        fn = section_decode if name == "decode" else section_rows
+                        record[name] = fn(sec, model, conf[name])
             except TimeCap as err:
                 sec.add("(time cap)", f"stopped: {err}", ok=False)
             except torch.OutOfMemoryError as err:
@@ -297,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     """``scripts/gpu_smoke.py`` (run by ``scripts/gpu_smoke.sh``)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: every code path but the kernels")
-    ap.add_argument("--sections", default="env,kernel,decode,rows", help="comma list of env, kernel, decode, rows")
+    ap.add_argument(
+        "--sections", default="env,kernel,decode,compile,rows", help="comma list of env, kernel, decode, compile, rows"
+    )
     ap.add_argument("--cap-scale", type=float, default=None, help="multiply the section time caps (dry run: off)")
     ap.add_argument("--out", default=None, help="default results/bench/gpu_smoke_<time>[_dryrun]")
     args = ap.parse_args(argv)

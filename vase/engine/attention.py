@@ -11,8 +11,9 @@ With a :class:`~vase.engine.cache.VaseCache` passed as the ``vase_cache`` keywor
 3. runs the main attention without materialising the attention matrix, each row over its own held tokens:
 
    * SDPA (:func:`decode_attention`): each KV group's query heads packed into the query-length axis, ``(n, H, G, D)``
-     queries against the ``(n, H, L, D)`` storage views, with an additive ``(n, 1, 1, L)`` row mask (a
-     ``(n, H, 1, L)`` / ``(n, H, G, L)`` one with a selection) when the rows hold different lengths: never
+     queries against the ``(n, H, L, D)`` storage views (``L`` the step's fixed span, see
+     :meth:`vase.engine.cache.VaseCache.prepare_step`), with an additive ``(n, 1, 1, L)`` row mask, always (a
+     ``(n, H, 1, L)`` / ``(n, H, G, L)`` one with a selection): never
      ``enable_gqa`` together with a mask, so CUDA runs it on a fused kernel (memory-efficient or cuDNN with a mask,
      FlashAttention without) and never on the math kernel (``docs/architecture.md``, "Attention kernels");
    * FlashAttention-2 (``flash_attn_with_kvcache`` on the preallocated storage with per-row ``cache_seqlens``) when
@@ -263,7 +264,7 @@ def _flash_decode(query, layer, scaling):
     from flash_attn import flash_attn_with_kvcache  # optional dependency (the [gpu] extra)
 
     owner = layer.owner
-    n = owner.n_live
+    n = owner.step_rows
     k_cache = layer.keys[:n].transpose(1, 2)  # (n, capacity, H, D) view: the last dim stays contiguous
     v_cache = layer.values[:n].transpose(1, 2)
     out = flash_attn_with_kvcache(
@@ -286,7 +287,7 @@ def vase_attention_forward(
 
     Args:
         query: ``(B, Hq, T, D)`` post-RoPE queries; key, value: what the cache's ``update`` returned,
-            ``(B, H, L, D)`` (at a decode step: the live rows' storage up to the longest row).
+            ``(B, H, L, D)`` (at a decode step: the rows' storage over the step's fixed span ``cache.step_length``).
 
     Returns:
         ``((B, T, Hq, D), None)`` as transformers expects; attention weights are never materialised.
@@ -335,8 +336,7 @@ def _group_view(bias: torch.Tensor, heads: int) -> torch.Tensor:
 def _eager_mask(cache, query: torch.Tensor, key: torch.Tensor, selected: torch.Tensor | None) -> torch.Tensor | None:
     """The eager reference's bool mask, broadcastable to ``(n, Hq, 1, L)``."""
     if selected is None:
-        held = cache.length_mask(query.shape[0], key.shape[2])
-        return None if held is None else held[:, None, None, :]
+        return cache.length_mask(query.shape[0], key.shape[2])[:, None, None, :]
     groups = query.shape[1] // selected.shape[1]
     return _repeat_kv(selected, groups).unsqueeze(2)
 

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from vase.engine.attention import additive_mask
+from vase.engine.attention import MASK_ALIGN, additive_mask
 from vase.engine.geometry import CacheGeometry, LayerCounters, aux_bytes_per_row, cache_capacity, span_of
 from vase.engine.layer import VaseLayer
 from vase.engine.policy import Policy
@@ -63,7 +63,16 @@ from vase.engine.rng import EVICT_SALT, row_keys
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CacheGeometry", "VaseCache", "VaseLayer", "aux_bytes_per_row", "cache_capacity", "to_device"]
+__all__ = [
+    "CacheGeometry",
+    "VaseCache",
+    "VaseLayer",
+    "aux_bytes_per_row",
+    "cache_capacity",
+    "row_bucket",
+    "row_buckets",
+    "to_device",
+]
 
 
 @functools.cache
@@ -82,6 +91,27 @@ def to_device(values: Sequence, device: torch.device, dtype: torch.dtype = torch
         return torch.tensor(values, dtype=dtype)
     host = torch.tensor(values, dtype=dtype, pin_memory=_can_pin())
     return host.to(device, non_blocking=True)
+
+
+def row_bucket(n: int, rows: int) -> int:
+    """The rows a bucketed decode forward covers for ``n`` live rows: the next power of two, at most ``rows``."""
+    return min(rows, 1 << max(0, n - 1).bit_length())
+
+
+#: eager decode steps view K/V up to the longest row rounded up to a multiple of this (compiled ones: the capacity);
+#: see docs/architecture.md, "Static decode shapes"
+LENGTH_BUCKET = 256
+
+
+def length_bucket(length: int, capacity: int) -> int:
+    """The slots an eager decode step's K/V views span: ``length`` rounded up to :data:`LENGTH_BUCKET`, at most
+    ``capacity``."""
+    return min(capacity, -(-length // LENGTH_BUCKET) * LENGTH_BUCKET)
+
+
+def row_buckets(rows: int) -> list[int]:
+    """Every bucket :func:`row_bucket` can return for a cache of ``rows`` rows (powers of two, then ``rows``)."""
+    return sorted({row_bucket(n, rows) for n in range(1, rows + 1)})
 
 
 class EvictionClock:
@@ -168,9 +198,23 @@ class VaseCache(Cache):
         self.attended = torch.zeros(rows, dtype=torch.float64, device=device) if policy.kind == "selection" else None
         self.prefilling: list[int] | None = None  # rows being admitted by the current forward
         self.max_length_after_append = 0
-        self._mask: tuple[int, int, torch.Tensor | None] | None = None  # (n, L, (n, L) bool) for the current step
-        self._bias: tuple[int, int, torch.dtype, torch.Tensor | None] | None = None  # the same as an additive mask
-        self._seqlens: torch.Tensor | None = None
+        # Static decode shapes (docs/architecture.md, "Static decode shapes"): a decode forward covers rows
+        # [0, step_rows) (the live rows, or with ``bucketed`` the power-of-two bucket above them; the padding rows are
+        # free slots whose writes are masked out) and every layer's K/V views span the whole capacity. The row masks
+        # and FlashAttention's lengths are rebuilt in place in these buffers by prepare_step, outside the forward.
+        self.step_rows = 0
+        self.step_length = 0  # the slots every row's K/V view spans this step (the capacity when bucketed)
+        self.bucketed = False
+        self.stepping = False  # between prepare_step and advance
+        cap = geometry.capacity
+        self._slots = torch.arange(cap, device=device)
+        self.held_mask = torch.zeros((rows, cap), dtype=torch.bool, device=device)  # slot j holds a token of row r
+        padded = -(-cap // MASK_ALIGN) * MASK_ALIGN
+        self._bias_buf = torch.zeros((rows, 1, 1, padded), dtype=geometry.dtype, device=device)
+        self.held_bias = self._bias_buf[..., :cap]  # held_mask as 0 / -inf in the storage dtype
+        self.seqlens_t = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.write_slot = torch.zeros(rows, dtype=torch.long, device=device)  # bucketed: where each row's token goes
+        self.live_t = torch.zeros(rows, dtype=torch.bool, device=device)  # bucketed: the row is live (not padding)
         self._index: dict[tuple[int, ...], torch.Tensor] = {}  # this step's row index tensors (see index())
         self.on_evict = None  # optional callback(layer, row_ids, keep_idx, kept_positions) for analyses
         super().__init__(layers=[VaseLayer(i, self) for i in range(geometry.num_layers)])
@@ -225,7 +269,13 @@ class VaseCache(Cache):
             self._evict(slots)
 
     def prepare_step(self, n_live: int) -> None:
-        """Before a decode forward over rows ``[0, n_live)``: one token is appended to each."""
+        """Before a decode forward over rows ``[0, n_live)``: one token is appended to each.
+
+        Sets :attr:`step_rows` (``n_live``, or its bucket with :attr:`bucketed`) and rebuilds, in place and on the
+        device, what the forward reads of the rows' lengths: :attr:`held_mask` / :attr:`held_bias` (always built,
+        every row masked to its own tokens), :attr:`seqlens_t` (FlashAttention) and, bucketed, :attr:`write_slot` /
+        :attr:`live_t`. The forward itself then reads no per-row host state (its shapes depend on ``step_rows`` only).
+        """
         if n_live > self.geometry.rows:
             raise RuntimeError(f"{n_live} live rows for a cache of {self.geometry.rows}")
         self.n_live = n_live
@@ -235,16 +285,30 @@ class VaseCache(Cache):
                 f"cache capacity {self.geometry.capacity} exceeded (a row would hold {self.max_length_after_append}); "
                 "this is an engine bug: the eviction trigger should have fired"
             )
-        self._mask = None
-        self._bias = None
-        self._seqlens = None
+        b = row_bucket(n_live, self.geometry.rows) if self.bucketed else n_live
+        self.step_rows = b
+        self.step_length = (
+            self.geometry.capacity
+            if self.bucketed
+            else length_bucket(self.max_length_after_append, self.geometry.capacity)
+        )
+        self.stepping = True
+        for layer in self.layers:
+            layer.counters.held = self.max_length_after_append
+        lengths = self.lengths_t[:b]  # the count before this step's append; padding rows: a free slot's stale count
+        torch.le(self._slots[None, :], lengths[:, None], out=self.held_mask[:b])
+        if self.attn_backend != "eager":
+            self.held_bias[:b, 0, 0].copy_(torch.where(self.held_mask[:b], 0.0, float("-inf")))
+        if self.attn_backend == "flash_attn":
+            self.seqlens_t[:b].copy_(torch.clamp(lengths + 1, max=self.geometry.capacity))
+        if self.bucketed:
+            torch.clamp(lengths, max=self.geometry.capacity - 1, out=self.write_slot[:b])
+            torch.lt(self.row_index[:b], n_live, out=self.live_t[:b])
         self._index = {}
 
     def seqlens_i32(self) -> torch.Tensor:
-        """``(n_live,)`` int32 tokens each live row holds after this step's append (FlashAttention's cache_seqlens)."""
-        if self._seqlens is None:
-            self._seqlens = (self.lengths_t[: self.n_live] + 1).to(torch.int32)
-        return self._seqlens
+        """``(step_rows,)`` int32 tokens each row holds after this step's append (FlashAttention's cache_seqlens)."""
+        return self.seqlens_t[: self.step_rows]
 
     def advance(self) -> None:
         """After a decode forward: every live row holds one more token and moves one position on."""
@@ -254,31 +318,23 @@ class VaseCache(Cache):
             self.next_pos[r] += 1
         self.lengths_t[:n] += 1
         self.pos_t[:n] += 1
+        self.stepping = False
 
-    def length_mask(self, n: int, length: int) -> torch.Tensor | None:
+    def length_mask(self, n: int, length: int) -> torch.Tensor:
         """``(n, length)`` bool: slot ``j`` of row ``r`` holds a token of the row (``j < lengths[r]`` after the append).
 
-        ``None`` when every row holds ``length`` tokens (no masking needed). Built once per decode step.
+        A view of :attr:`held_mask`, built once per decode step by :meth:`prepare_step` (always, even when every row
+        holds ``length`` tokens: the step's graph does not depend on whether the rows are in step).
         """
-        if self._mask is not None and self._mask[:2] == (n, length):
-            return self._mask[2]
-        if min(self.lengths[:n]) + 1 == length:
-            mask = None
-        else:
-            ar = torch.arange(length, device=self.lengths_t.device)
-            mask = ar[None, :] <= self.lengths_t[:n, None]  # lengths_t is the count before this step's append
-        self._mask = (n, length, mask)
-        return mask
+        return self.held_mask[:n, :length]
 
-    def length_bias(self, n: int, length: int, dtype: torch.dtype) -> torch.Tensor | None:
+    def length_bias(self, n: int, length: int, dtype: torch.dtype) -> torch.Tensor:
         """:meth:`length_mask` as SDPA's fused kernels take it: ``(n, 1, 1, length)`` additive, ``0`` / ``-inf`` in
-        ``dtype`` (:func:`vase.engine.attention.additive_mask`), or ``None``. Built once per decode step."""
-        if self._bias is not None and self._bias[:3] == (n, length, dtype):
-            return self._bias[3]
-        mask = self.length_mask(n, length)
-        bias = None if mask is None else additive_mask(mask[:, None, :], dtype)
-        self._bias = (n, length, dtype, bias)
-        return bias
+        ``dtype`` (:func:`vase.engine.attention.additive_mask`): a view of :attr:`held_bias` (built by
+        :meth:`prepare_step`) in the storage dtype, else built here."""
+        if dtype == self.held_bias.dtype:
+            return self.held_bias[:n, :, :, :length]
+        return additive_mask(self.length_mask(n, length)[:, None, :], dtype)
 
     def due_rows(self) -> list[int]:
         """Live rows whose eviction trigger fires now: held > budget and the sequence length is a multiple of the

@@ -34,15 +34,16 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from vase.engine.attention import attention_report, backend_choice, vase_attention
-from vase.engine.cache import VaseCache, cache_capacity, to_device
+from vase.engine.cache import VaseCache, cache_capacity, row_buckets, to_device
+from vase.engine.compiled import NO_FLASH, compile_choice, compile_forward, compile_mode, mark_static
 from vase.engine.geometry import model_geometry
 from vase.engine.policy import Policy
+from vase.engine.requests import DecodeStats, Finished, Request, StepInfo, _Row
 from vase.engine.rng import TOKEN_SALT, RowRNG, row_keys
 from vase.engine.sampling import SamplingConfig, sample_tokens
 from vase.models import check_architecture
@@ -54,106 +55,6 @@ __all__ = ["FINISH_REASONS", "Decoder", "Finished", "Request", "StepInfo", "vase
 FINISH_REASONS = ("eos", "stop", "length", "loop", "nonfinite", "prompt_too_long")
 STOP_WHEN_EVERY = 16  # ``stop_when`` is asked every this many tokens of a row
 EMPTY_STATS = {"decode_steps": 0, "evictions": 0, "eviction_seconds": 0.0, "attended_tokens": None}
-
-
-@dataclass
-class Request:
-    """A prompt and the samples to draw from it.
-
-    Attributes:
-        prompt_ids: the prompt's token ids ``(P,)``.
-        seeds: one seed per sample (row ``i``'s token and eviction random keys derive from ``seeds[i]``).
-        key: the caller's id for the prompt (e.g. the problem id); returned with each finished sample.
-        samples: the caller's index of each sample (default ``0 .. len(seeds) - 1``).
-        max_new_tokens: this prompt's output cap (default: the decoder's ``max_new_tokens``); ``max_length`` always
-            applies too.
-    """
-
-    prompt_ids: Sequence[int] | torch.Tensor
-    seeds: Sequence[int]
-    key: Any = None
-    samples: Sequence[int] | None = None
-    max_new_tokens: int | None = None
-
-
-@dataclass
-class Finished:
-    """One finished sample.
-
-    Attributes:
-        key, sample, seed: as in its :class:`Request`.
-        tokens: generated token ids (the EOS token or the stop string's last token included, nothing after it).
-        finish_reason: one of :data:`FINISH_REASONS`.
-        prompt_len: prompt tokens.
-        stats: ``decode_steps`` (forwards the row took part in), ``evictions`` (eviction events summed over layers),
-            ``eviction_seconds`` (its share), ``held_tokens`` / ``held_tokens_max`` (mean / most tokens held per layer
-            and KV head after its decode steps' appends: host-side lengths, no sync), ``attended_tokens`` (selection
-            policies: mean attended per step, query head and layer), ``first_step`` / ``last_step`` (the decoder's
-            step counter when it entered and ended).
-    """
-
-    key: Any
-    sample: int
-    seed: int
-    tokens: list[int]
-    finish_reason: str
-    prompt_len: int
-    stats: dict = field(default_factory=dict)
-
-
-@dataclass
-class StepInfo:
-    """Passed to ``on_step`` after every decode step (wall times are exact on CPU; on CUDA they lag the device).
-
-    Attributes:
-        step: decode steps done by the decoder.
-        active_rows: rows that took part in this step; ``rows`` their ids (the sample index for :func:`generate`,
-            ``(key, sample)`` otherwise).
-        tokens: ``(active_rows,)`` the tokens just sampled (on the device: reading them synchronises).
-        cache_length: tokens held by the longest row (per layer and KV head) after this step's eviction check.
-        evicted_rows: rows (positions in ``rows``) that evicted at this step.
-    """
-
-    step: int
-    active_rows: int
-    rows: list
-    tokens: torch.Tensor
-    cache_length: int
-    evictions: int
-    eviction_seconds: float
-    wall_seconds: float
-    evicted_rows: list[int] = field(default_factory=list)
-
-
-@dataclass
-class DecodeStats:
-    """Totals of a :class:`Decoder` so far (throughput is ``tokens / decode_seconds``)."""
-
-    prefills: int = 0
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_steps: int = 0
-    row_steps: int = 0  # tokens decoded by forwards (rows x steps), the discarded ones after a row's end included
-    tokens: int = 0  # tokens of finished samples
-    decode_seconds: float = 0.0
-    samples: int = 0
-    max_live_rows: int = 0
-
-
-@dataclass
-class _Row:
-    key: Any
-    sample: int
-    seed: int
-    rid: Any
-    limit: int
-    prompt_len: int
-    first_step: int
-    tokens: list[int] = field(default_factory=list)
-    produced: int = 0  # tokens sampled so far (the pending ones included)
-    held_sum: int = 0
-    held_max: int = 0  # the most tokens held (per layer and KV head) after any of its decode steps' appends
-    steps: int = 0
 
 
 class Decoder:
@@ -178,6 +79,9 @@ class Decoder:
         check_policy_output: validate every eviction's indices (debug; syncs per eviction).
         score_dtype: the dtype of the policy's score math (``EvictionInputs.score_dtype``; bfloat16 = the authors').
         row_id: how a row is named in hooks and in the cache (default ``(key, sample)``).
+        compile: ``off`` | ``on`` | ``auto``: compile the decode forward, one graph per bucket of live rows
+            (:mod:`vase.engine.compiled`; CUDA graphs on CUDA); the prefill stays eager.
+        compile_backend: ``torch.compile``'s backend (default inductor; tests pass a graph-counting one).
     """
 
     def __init__(
@@ -203,6 +107,8 @@ class Decoder:
         check_policy_output: bool = False,
         row_id: Callable[[Any, int], Any] | None = None,
         score_dtype: torch.dtype = torch.float32,
+        compile: str | bool = "off",
+        compile_backend: str | Callable | None = None,
     ):
         check_architecture(model.config)
         policy.validate()
@@ -224,8 +130,19 @@ class Decoder:
         self.max_length = max_length
         param = next(model.parameters())
         self.device = param.device
+        expected = max_new_tokens if max_new_tokens is not None else max_length
+        self.compiled, self.compile_reason = compile_choice(compile, self.device, policy, expected, attn_backend)
+        self.compile_setting = compile
+        logger.info("decode step compile: %s (%s)", "on" if self.compiled else "off", self.compile_reason)
         self.backend, self.backend_reason = backend_choice(attn_backend, self.device, param.dtype)
+        if self.compiled and self.backend == "flash_attn":  # auto: the compiled step cannot trace flash-attn's call
+            self.backend, self.backend_reason = "sdpa", f"auto: sdpa, the compiled step runs SDPA ({NO_FLASH})"
         logger.info("attention backend: %s (%s)", self.backend, self.backend_reason)
+        if attn_backend == "auto" and self.device.type == "cuda" and self.backend != "flash_attn" and not self.compiled:
+            logger.warning(
+                "attn_backend=auto falls back to SDPA: %s (install: pip install flash-attn --no-build-isolation)",
+                self.backend_reason.removeprefix("auto: "),
+            )
         self.sync_every = sync_every or (16 if self.device.type == "cuda" else 1)
         self.eos = set() if ignore_eos else {int(t) for t in eos_token_ids}
         self.stop_strings = list(stop_strings)
@@ -254,6 +171,12 @@ class Decoder:
         self._buf = torch.zeros((rows, self.sync_every), dtype=torch.long, device=self.device)
         self._finite = torch.ones((rows, self.sync_every), dtype=torch.bool, device=self.device)
         self._t0 = time.perf_counter()
+        self._forward = self._decode_forward
+        self._static_marked = False
+        if self.compiled:
+            self.cache.bucketed = True  # one graph per bucket of live rows
+            buckets = len(row_buckets(rows))
+            self._forward = compile_forward(self._decode_forward, self.device, buckets, compile_backend)
 
     # ---- public ------------------------------------------------------------------------------------------------
     def limit_for(self, prompt_len: int, max_new_tokens: int | None = None) -> int:
@@ -264,6 +187,16 @@ class Decoder:
             room = self.max_length - prompt_len
             limit = room if limit is None else min(limit, room)
         return int(limit)
+
+    def compile_report(self) -> dict:
+        """How the decode step runs, for the run's manifest: the setting, on/off and why, the mode and buckets."""
+        return {
+            "setting": str(self.compile_setting),
+            "compiled": self.compiled,
+            "choice": self.compile_reason,
+            "mode": compile_mode(self.device) if self.compiled else None,
+            "row_buckets": row_buckets(self.geometry.rows) if self.compiled else None,
+        }
 
     def attention_report(self) -> dict:
         """What the attention runs on, for the run's manifest (:func:`vase.engine.attention.attention_report`)."""
@@ -425,24 +358,40 @@ class Decoder:
         """
         cache = self.cache
         cache.prepare_step(n)
-        logits = self.model(
-            input_ids=self._next_tok[:n].view(n, 1),
-            position_ids=cache.pos_t[:n].view(n, 1),
-            cache=cache,
-            use_cache=True,
-            vase_cache=cache,
-        ).logits[:, -1]
+        b = cache.step_rows  # n, or its bucket when the step is compiled (padding rows' logits are dropped)
+        if self.compiled and not self._static_marked and self.device.type == "cuda":
+            mark_static(cache)  # the layers' storage exists after the first prefill
+            self._static_marked = True
+        logits, tok, finite = self._forward(self._next_tok[:b].view(b, 1), cache.pos_t[:b].view(b, 1))
+        logits, tok = logits[:n], tok[:n]
         cache.advance()
         self.step += 1
         if self.on_logits is not None:
             self.on_logits(self.step, logits)
-        self._finite[:n, pending] = torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
+        self._finite[:n, pending] = finite[:n]
         held = cache.lengths[:n]
-        evicted = cache.evict_due()
-        tok = sample_tokens(logits, self.sampling, RowRNG(self._tok_key[:n], cache.pos_t[:n]))
+        evicted = cache.evict_due()  # after the sampling, which does not depend on it
         self._next_tok[:n] = tok
         self._buf[:n, pending] = tok
         return held, tok, evicted
+
+    def _decode_forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decode forward and sampling of rows ``[0, b)``: ``input_ids``, ``position_ids`` ``(b, 1)`` → the last
+        logits ``(b, V)``, the sampled tokens ``(b,)`` and whether each row's logits are finite ``(b,)`` bool.
+
+        Reads only tensors and run-constant host state (``cache.step_rows`` and ``cache.bucketed`` among them), so
+        ``torch.compile(fullgraph=True)`` traces it once per row bucket (:mod:`vase.engine.compiled`), the sampling's
+        counter-based hash fused into the step's graph. A token's noise is keyed by the row's token key and the
+        token's position (``position_ids + 1``), so the padding rows' draws never touch a live row's.
+        """
+        cache = self.cache
+        out = self.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, vase_cache=cache)
+        logits = out.logits[:, -1]
+        b = logits.shape[0]
+        tok = sample_tokens(logits, self.sampling, RowRNG(self._tok_key[:b], position_ids.view(b) + 1))
+        return logits, tok, torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
 
     def _take(self, row: _Row, tok: int, finite: bool) -> str | None:
         """Append a sampled token to ``row``; return its finish reason if the row ends with it."""

@@ -70,8 +70,11 @@ class VaseLayer(CacheLayerMixin):
 
         Prefill (``owner.prefilling``): ``(1, H, P, D)`` written to slots ``[0, P)`` of every row being admitted;
         returns the prompt's own keys/values (batch 1), so the prefill attention runs once for all its samples.
-        Decode: ``(n, H, 1, D)``, one token per live row at the row's own length; returns the live views
-        ``(n, H, L, D)`` with ``L`` the longest row's length (shorter rows are masked by the attention).
+        Decode: ``(b, H, 1, D)``, one token per row of the step (``b = owner.step_rows``) at the row's own length;
+        returns the views ``(b, H, S, D)`` of rows ``[0, b)``, ``S = owner.step_length``: the capacity when the step
+        is compiled (the same shapes and storage at every step of a row bucket), else the longest row rounded up to
+        :data:`~vase.engine.cache.LENGTH_BUCKET`; each row is masked to its own tokens by the attention
+        (``docs/architecture.md``, "Static decode shapes").
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -93,20 +96,30 @@ class VaseLayer(CacheLayerMixin):
                     0, idx, pos.expand(k, self.positions.shape[1], -1).contiguous()
                 )
             return key_states, value_states
-        n = owner.n_live
-        rows, slot = owner.row_index[:n], owner.lengths_t[:n]  # slot: where each row's new token goes
-        self.keys[rows, :, slot] = key_states[:, :, 0]
-        self.values[rows, :, slot] = value_states[:, :, 0]
-        self.positions[rows, :, slot] = owner.pos_t[:n, None]
-        length = owner.max_length_after_append
-        self.counters.held = length
-        return self.keys[:n, :, :length], self.values[:n, :, :length]
+        b = owner.step_rows
+        rows = owner.row_index[:b]
+        k_new, v_new, p_new = key_states[:, :, 0], value_states[:, :, 0], owner.pos_t[:b, None]
+        if owner.bucketed:  # padding rows (free slots) write back what their slot holds: nothing changes there
+            slot, live = owner.write_slot[:b], owner.live_t[:b, None]
+            k_new = torch.where(live[..., None], k_new, self.keys[rows, :, slot])
+            v_new = torch.where(live[..., None], v_new, self.values[rows, :, slot])
+            p_new = torch.where(live, p_new, self.positions[rows, :, slot])
+        else:
+            slot = owner.lengths_t[:b]  # where each row's new token goes
+        self.keys[rows, :, slot] = k_new
+        self.values[rows, :, slot] = v_new
+        self.positions[rows, :, slot] = p_new
+        length = owner.step_length
+        return self.keys[:b, :, :length], self.values[:b, :, :length]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.max_length_after_append if self.owner.prefilling is None else query_length, 0
+        """Decode: the slots the views :meth:`update` returns span (``owner.step_length``); prefill: the prompt."""
+        return self.owner.step_length if self.owner.prefilling is None else query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.owner.length
+        """The longest live row's held length; during a decode forward the span of the views
+        (``owner.step_length``), so a compiled step never reads the rows' host lengths."""
+        return self.owner.step_length if self.owner.stepping else self.owner.length
 
     def get_max_length(self) -> int:
         return self.owner.geometry.capacity
@@ -141,8 +154,11 @@ class VaseLayer(CacheLayerMixin):
             rows = owner.row_index[idx]
             self.queries[rows[:, None], :, ring[None, :]] = q.transpose(1, 2).expand(len(slots), -1, -1, -1)
             return
-        n = owner.n_live
-        self.queries[owner.row_index[:n], :, owner.pos_t[:n] % w] = query[:, :, 0]
+        b = owner.step_rows
+        rows, ring, q = owner.row_index[:b], owner.pos_t[:b] % w, query[:, :, 0]
+        if owner.bucketed:  # padding rows keep their ring
+            q = torch.where(owner.live_t[:b, None, None], q, self.queries[rows, :, ring])
+        self.queries[rows, :, ring] = q
 
     def selection_mask(self, query: torch.Tensor) -> torch.Tensor | None:
         """Ask a selection policy which held tokens this decode step attends to, or ``None`` for all of them.
@@ -155,7 +171,7 @@ class VaseLayer(CacheLayerMixin):
         policy = owner.policy
         if policy.kind != "selection":
             return None
-        n, length = owner.n_live, owner.max_length_after_append
+        n, length = owner.step_rows, owner.step_length  # the span of every row's view this step
         n_kv, n_q = self.keys.shape[1], query.shape[1]
         masks: list[tuple[list[int], torch.Tensor | None]] = []
         for slots in self._groups(list(range(n))):
@@ -194,9 +210,7 @@ class VaseLayer(CacheLayerMixin):
                 if mask.shape[1] != heads:
                     mask = mask.repeat_interleave(heads // mask.shape[1], dim=1)
                 full[owner.index(slots)] = mask
-        held = owner.length_mask(n, length)
-        if held is not None:
-            full &= held[:, None, :]
+        full &= owner.length_mask(n, length)[:, None, :]
         owner.add_attended(full, n_q)
         return full
 

@@ -30,6 +30,8 @@ from omegaconf.errors import OmegaConfBaseException
 ATTN_BACKENDS = ("auto", "sdpa", "eager", "flash_attn")
 #: ``model.dtype``: ``auto`` (the checkpoint's own dtype) or a name of ``vase.models.DTYPES``.
 MODEL_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
+#: ``generation.compile`` (= ``vase.engine.compiled.COMPILE_SETTINGS``; YAML's unquoted on / off read as true / false).
+COMPILE_SETTINGS = ("auto", "on", "off")
 #: ``generation.batching``.
 BATCHING = ("continuous", "per_problem")
 #: ``protocol.grader`` (= ``tasks.grading.GRADER_RULES``).
@@ -242,6 +244,8 @@ def _check_generation(cfg: DictConfig) -> None:
     if kv_memory not in (None, _ABSENT):
         parse_bytes(kv_memory, f"{g}.kv_memory")
     _choice(cfg, f"{g}.batching", BATCHING)
+    if not isinstance(_get(cfg, f"{g}.compile"), bool):
+        _choice(cfg, f"{g}.compile", COMPILE_SETTINGS)
     workers = _get(cfg, f"{g}.grade_workers")
     if workers is not _ABSENT and workers != "auto" and not (_is_int(workers) and workers >= 0):
         _fail(

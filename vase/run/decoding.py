@@ -25,7 +25,7 @@ from vase.engine.memory import plan_rows
 from vase.run.grading_pool import Grader
 from vase.run.planning import Prepared, Work, resolved_spec
 from vase.run.records import NOT_DECODED, ThroughputLog, manifest, rank_entry, row_maker
-from vase.run.results import THROUGHPUT, part_path, write_json
+from vase.run.results import THROUGHPUT, part_path, reset_peak_memory, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ def decode(
     cfg, policy, run_dir = prep.cfg, prep.policy, prep.run_dir
     spec, dtype_reason = resolved or resolved_spec(prep, work)
     t_load = time.perf_counter()
+    reset_peak_memory(spec.resolved_device())  # this run's (this sweep cell's) peak, not an earlier cell's
     model, tokenizer = spec.load()
     logger.info("model %s loaded in %.1f s (%s, %s)", spec.name, time.perf_counter() - t_load, spec.dtype, dtype_reason)
     stop = eos_ids(model, tokenizer)
@@ -171,6 +172,7 @@ def decode(
             attn_backend=cfg.generation.attn_backend,
             sync_every=cfg.generation.sync_every,
             check_policy_output=bool(cfg.generation.get("check_policy_output", False)),
+            compile=cfg.generation.get("compile", "off"),
             on_cache=None if recorder is None else recorder.attach,
             score_dtype=prep.score_dtype,
         )

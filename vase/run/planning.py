@@ -41,7 +41,15 @@ logger = logging.getLogger(__name__)
 
 # Settings that do not change results: excluded from the protocol comparison on resume.
 NON_PROTOCOL_TASK_KEYS = ("problem_ids", "limit", "shard", "num_shards", "data_dir", "max_workers")
-NON_PROTOCOL_GENERATION_KEYS = ("sync_every", "attn_backend", "batching", "max_rows", "kv_memory", "grade_workers")
+NON_PROTOCOL_GENERATION_KEYS = (
+    "sync_every",
+    "attn_backend",
+    "batching",
+    "max_rows",
+    "kv_memory",
+    "grade_workers",
+    "compile",
+)
 
 
 def build(node: Any, what: str) -> Any:
@@ -288,6 +296,11 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
         work = measure(prep, pending, load_tokenizer(prep.model_spec, cache))
         spec, _ = resolved_spec(prep, work)
         check_cache(prep, spec, [(w.ids, w.missing) for w in work], config, setting, machine)
+        from vase.engine.compiled import compile_choice  # torch: only once the run has work
+
+        # generation.compile=on that cannot run (a selection policy, no C++ compiler on the CPU): one line, now
+        g = cfg.generation
+        compile_choice(g.get("compile", "off"), spec.resolved_device(), prep.policy, prep.max_length, g.attn_backend)
         check_resolved(run_dir, {"model": prep.model_spec.resolve()}, write=False)  # refuse changed weights
     check_protocol(run_dir, comparable(run_dir, with_dtype(prep, work)), write=False)
     return RunPlan(prep, problems, data, done_rows, work)

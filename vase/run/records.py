@@ -376,6 +376,8 @@ def manifest(prep, model, tokenizer, spec, dtype_reason: str, dec, plan, stop) -
         },
         # backend and why, the SDPA kernel each kind of attention call lowers to here, device name, CUDA / cuDNN
         "attention": dec.attention_report(),
+        # generation.compile: whether the decode step is compiled, why (auto's rule), the mode and the row buckets
+        "compile": dec.compile_report(),
         "engine": {
             "batching": prep.batching,
             "rows_in_flight": plan.rows,

@@ -396,8 +396,18 @@ def device_info() -> dict[str, Any]:
     return info
 
 
+def reset_peak_memory(device) -> None:
+    """Start a run's (a sweep cell's) CUDA peak-memory statistics afresh; on the CPU the peak RSS is the process's and
+    cannot be reset (a sweep's later cells report the largest so far)."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_memory_bytes(device) -> int:
-    """CUDA max allocated on a CUDA device, else the process's peak resident set size."""
+    """CUDA max allocated on a CUDA device since the run began (:func:`reset_peak_memory`), else the process's peak
+    resident set size."""
     import torch
 
     if getattr(device, "type", str(device)) == "cuda":
