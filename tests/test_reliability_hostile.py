@@ -26,7 +26,7 @@ from tests.conftest import TINY_RUN, compose, copy_run, snapshot
 from tests.reliability_registry import Case, Refusal
 
 ROOT = Path(__file__).resolve().parents[1]
-HOSTILE_AREAS = ["Policies", "Generation", "Samples read back", "Report and scripts", "Data parallel"]
+HOSTILE_AREAS = ["Policies", "Generation", "Samples read back", "Report and scripts", "Data parallel", "New settings"]
 HERE = "tests/test_reliability_hostile.py"
 DIST = "tests/test_distributed.py"
 
@@ -382,6 +382,153 @@ HOSTILE_REFUSALS = [
 def _h(name: str, file: str = HERE) -> str:
     return f"{file}::{name}"
 
+
+#: refusals of the settings new in this release (h2o, keydiff, triattention, generation.compile,
+#: generation.check_policy_output, model.reference_tokens, the paper protocol's knobs); area "New settings"
+RELEASE_REFUSALS = [
+    Refusal(
+        "h2o-recent-ratio-high",
+        "New settings",
+        "`policy=h2o` with a recent share above 1 (`policy.recent_ratio=1.5`)",
+        ("policy=h2o", "policy.recent_ratio=1.5"),
+        "policy.recent_ratio: must be in [0, 1], got 1.5",
+    ),
+    Refusal(
+        "h2o-recent-ratio-negative",
+        "New settings",
+        "`policy=h2o` with a negative recent share",
+        ("policy=h2o", "policy.recent_ratio=-0.1"),
+        "policy.recent_ratio: must be in [0, 1], got -0.1",
+    ),
+    Refusal(
+        "h2o-evict-every-zero",
+        "New settings",
+        "`policy=h2o policy.evict_every=0` (the schedule field, now in every eviction YAML)",
+        ("policy=h2o", "policy.evict_every=0"),
+        "policy.evict_every: must be an integer >= 1 or null (= window), got 0",
+    ),
+    Refusal(
+        "h2o-budget-multiple",
+        "New settings",
+        "`policy=h2o` with a budget that is not a multiple of the window: the hint is the next multiple up",
+        ("policy=h2o", "budget=24"),
+        "policy.budget: must be a multiple of window=16 so the eviction trigger (held % window == 0) fires; "
+        "got 24 (try budget=32",
+    ),
+    Refusal(
+        "keydiff-sinks-negative",
+        "New settings",
+        "`policy=keydiff policy.sinks=-1`",
+        ("policy=keydiff", "policy.sinks=-1"),
+        "policy.sinks: must be an integer >= 0, got -1",
+    ),
+    Refusal(
+        "keydiff-keep-prompt-int",
+        "New settings",
+        "`policy=keydiff policy.keep_prompt=1` (an integer where a boolean belongs)",
+        ("policy=keydiff", "policy.keep_prompt=1"),
+        "policy.keep_prompt: must be true or false, got 1",
+    ),
+    Refusal(
+        "tri-aggregation",
+        "New settings",
+        "`policy=triattention` with an unknown offset aggregation (`median`)",
+        ("policy=triattention", "policy.score_aggregation=median"),
+        "policy.score_aggregation: must be one of mean, max, got 'median'",
+    ),
+    Refusal(
+        "tri-group-reduce",
+        "New settings",
+        "`policy=triattention` with an unknown group reduction (`sum`)",
+        ("policy=triattention", "policy.group_reduce=sum"),
+        "policy.group_reduce: must be one of max, mean, got 'sum'",
+    ),
+    Refusal(
+        "tri-offsets",
+        "New settings",
+        "`policy=triattention policy.offset_max_length=0` (no future offset to score)",
+        ("policy=triattention", "policy.offset_max_length=0"),
+        "policy.offset_max_length: must be an integer >= 1, got 0",
+    ),
+    Refusal(
+        "tri-calibration-tokens",
+        "New settings",
+        "`policy=triattention policy.calibration_tokens=0` (nothing to calibrate on)",
+        ("policy=triattention", "policy.calibration_tokens=0"),
+        "policy.calibration_tokens: must be an integer >= 2, got 0",
+    ),
+    Refusal(
+        "tri-calibration-text",
+        "New settings",
+        "`policy=triattention` with a calibration text that does not exist, refused before weights load",
+        ("policy=triattention", "policy.calibration_text={tmp}/missing.txt"),
+        "policy.calibration_text: no such file '{tmp}/missing.txt'",
+    ),
+    Refusal(
+        "tri-trig-bool",
+        "New settings",
+        "`policy=triattention policy.trig=maybe`",
+        ("policy=triattention", "policy.trig=maybe"),
+        "policy.trig: must be true or false, got 'maybe'",
+    ),
+    Refusal(
+        "compile-choice",
+        "New settings",
+        "`generation.compile=maybe` (not auto, on or off)",
+        ("generation.compile=maybe",),
+        "generation.compile: unknown choice, got 'maybe'; choose one of auto, on, off",
+    ),
+    Refusal(
+        "compile-case",
+        "New settings",
+        "`generation.compile=ON` (choices are lower case; YAML's bare on / off mean true / false, accepted)",
+        ("generation.compile=ON",),
+        "generation.compile: unknown choice, got 'ON'; choose one of auto, on, off",
+    ),
+    Refusal(
+        "check-output-int",
+        "New settings",
+        "`generation.check_policy_output=2` (an integer where a boolean belongs)",
+        ("generation.check_policy_output=2",),
+        "generation.check_policy_output: must be true or false, got 2",
+    ),
+    Refusal(
+        "reference-tokens-negative",
+        "New settings",
+        "`model.reference_tokens=-5`",
+        ("model.reference_tokens=-5",),
+        "model.reference_tokens: must be a positive number of tokens or null, got -5",
+    ),
+    Refusal(
+        "reference-tokens-text",
+        "New settings",
+        "`model.reference_tokens=abc`",
+        ("model.reference_tokens=abc",),
+        "model.reference_tokens: must be an integer or null, got 'abc'",
+    ),
+    Refusal(
+        "protocol-equivalence",
+        "New settings",
+        "`protocol.equivalence=foo` (not math_verify or authors)",
+        ("protocol.equivalence=foo",),
+        "protocol.equivalence: unknown choice, got 'foo'; choose one of math_verify, authors",
+    ),
+    Refusal(
+        "protocol-extraction",
+        "New settings",
+        "`protocol.code_extraction=foo` (not harness or authors)",
+        ("protocol.code_extraction=foo",),
+        "protocol.code_extraction: unknown choice, got 'foo'; choose one of harness, authors",
+    ),
+    Refusal(
+        "protocol-authors-data-bool",
+        "New settings",
+        "`protocol.require_authors_data=perhaps`",
+        ("protocol.require_authors_data=perhaps",),
+        "protocol.require_authors_data: must be true or false, got 'perhaps'",
+    ),
+]
+HOSTILE_REFUSALS += RELEASE_REFUSALS
 
 HOSTILE_CASES = [
     Case(
