@@ -67,4 +67,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from vase.run.oneline import script_main
+
+    script_main(main)

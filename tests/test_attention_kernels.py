@@ -172,7 +172,12 @@ def _load(name: str, budget: int = 32, window: int = 8, model=None, tmp_path=Non
 
         cfg.gate_path = str(write_random_gates(tmp_path / "gates", model.config, block_size=8))
         cfg.block_size = 8
-    return instantiate(cfg)
+    policy = instantiate(cfg)
+    if model is not None:  # TriAttention: its query centres from a calibration pass over the model
+        from tests.policy_configs import calibrate
+
+        calibrate(policy, model)
+    return policy
 
 
 def _staggered_decode(model, policy, steps: int = 40, **kw):

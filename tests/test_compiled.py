@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.test_continuous import MODEL, load_policy, prompts
 from vase.engine import Decoder, Request, SamplingConfig, sample_seeds
-from vase.engine.attention import SDPA_KERNELS
+from vase.engine.attention import SDPA_KERNELS, decompose_composite
 from vase.engine.cache import cache_capacity, row_bucket, row_buckets
 from vase.engine.compiled import compile_choice, static_inputs
 from vase.engine.layer import VaseLayer
@@ -64,11 +64,9 @@ class SdpaShapes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
-            with self:
-                out = func.decompose(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
+        out = decompose_composite(self, func, args, kwargs)
+        if out is not NotImplemented:
+            return out
         if func.overloadpacket.__name__ in SDPA_KERNELS and self.dec.cache.prefilling is None:
             self.shapes.add(tuple(tuple(a.shape) for a in args[:3]))
         return func(*args, **kwargs)

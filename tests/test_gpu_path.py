@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import vase.engine.cache as engine_cache
 from tests.policy_configs import ALL_CONFIGS, CONF, load_small
 from vase.engine import Decoder, Request, SamplingConfig
-from vase.engine.attention import vase_attention
+from vase.engine.attention import decompose_composite, vase_attention
 from vase.engine.cache import VaseCache, cache_capacity
 from vase.engine.decode import _Row
 from vase.engine.rng import RowRNG
@@ -102,11 +102,9 @@ class SyncDetector(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
-            with self:
-                out = func.decompose(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
+        out = decompose_composite(self, func, args, kwargs)
+        if out is not NotImplemented:
+            return out
         name = func.overloadpacket.__name__
         self.ops[self.phase][name] += 1
         why = self.sync_reason(name, args, kwargs)

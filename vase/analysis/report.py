@@ -73,7 +73,7 @@ def build_report(
     ``wandb_mode == "disabled"``, a W&B summary run in ``group``.
     """
     out = Path(out_dir) if out_dir is not None else Path(results_dir) / "report"
-    tree = load_tree(results_dir)  # every sample line checked (vase.run.schema) before anything is written
+    tree = load_tree(results_dir)  # every sample line checked (vase.schema) before anything is written
     check_writable(out, "--out", "give --out a directory you can write")
     for sub, exts in (("tables", (".csv", ".md", ".tex")), ("figures", (".png", ".pdf", ".svg"))):
         stale = [p for p in (out / sub).glob("*") if p.suffix in exts] if (out / sub).is_dir() else []

@@ -351,6 +351,15 @@ SDPA_KERNELS = (
 )
 
 
+def decompose_composite(mode: TorchDispatchMode, func, args: tuple, kwargs: dict):
+    """Run a composite op (one with a ``CompositeImplicitAutograd`` kernel) as its decomposition under ``mode``, so
+    that the mode sees the ops that really run; ``NotImplemented`` for any other op (the caller runs ``func``)."""
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
+        with mode:
+            return func.decompose(*args, **kwargs)
+    return NotImplemented
+
+
 class _OpNames(TorchDispatchMode):
     """Records the name of every aten op that runs (``func.overloadpacket.__name__``).
 
@@ -364,11 +373,9 @@ class _OpNames(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
-            with self:
-                out = func.decompose(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
+        out = decompose_composite(self, func, args, kwargs)
+        if out is not NotImplemented:
+            return out
         self.ops.append(func.overloadpacket.__name__)
         return func(*args, **kwargs)
 

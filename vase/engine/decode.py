@@ -362,12 +362,16 @@ class Decoder:
         if self.compiled and not self._static_marked and self.device.type == "cuda":
             mark_static(cache)  # the layers' storage exists after the first prefill
             self._static_marked = True
+        # a logits hook may change the logits (teacher forcing): the tokens are then drawn again after it, from the
+        # same keys (the row's token key, the token's position), so an unchanged row draws the same token
+        redraw = None if self.on_logits is None else cache.pos_t[:n] + 1
         logits, tok, finite = self._forward(self._next_tok[:b].view(b, 1), cache.pos_t[:b].view(b, 1))
         logits, tok = logits[:n], tok[:n]
         cache.advance()
         self.step += 1
         if self.on_logits is not None:
             self.on_logits(self.step, logits)
+            tok = sample_tokens(logits, self.sampling, RowRNG(self._tok_key[:n], redraw))
         self._finite[:n, pending] = finite[:n]
         held = cache.lengths[:n]
         evicted = cache.evict_due()  # after the sampling, which does not depend on it

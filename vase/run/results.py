@@ -48,7 +48,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from vase.run.schema import SAMPLE_FIELDS, BadSample, check_sample, first_nonfinite
+from vase.schema import SAMPLE_FIELDS, BadSample, check_sample, first_nonfinite
 
 __all__ = ["SAMPLE_FIELDS", "BadSample"]
 
@@ -142,7 +142,7 @@ def sample_file(run_dir: Path, rank: int | None = None) -> Path:
 
 def _sample_rows(path: Path, repair: bool = False, for_metrics: bool = False) -> list[dict]:
     """The lines of one samples file (:func:`read_jsonl_tolerant`), each checked against the schema of
-    :mod:`vase.run.schema` (a line that is not a sample, a field of the wrong type, a NaN or an infinity: a one-line
+    :mod:`vase.schema` (a line that is not a sample, a field of the wrong type, a NaN or an infinity: a one-line
     :class:`BadSample` naming the file, the line and the field). Every line is checked before the file is repaired, so
     a bad file is never touched."""
     rows = _numbered_rows(path, repair=False)
@@ -166,7 +166,7 @@ def read_samples(run_dir: Path, repair: bool = False, for_metrics: bool = False)
     or killed, each ``(problem_id, sample)`` once (the first line written wins); every line checked to be a sample
     (one line naming the file and the line otherwise). ``repair`` cuts a torn last line off every file (a process
     killed mid-write), so appends continue cleanly, once every file's lines passed the schema; ``for_metrics``: every
-    line must also carry the fields the metrics read (:data:`vase.run.schema.METRIC_FIELDS`)."""
+    line must also carry the fields the metrics read (:data:`vase.schema.METRIC_FIELDS`)."""
     if Path(run_dir).is_file():  # a samples file given for its directory would read as no samples at all
         raise ValueError(f"read_samples: {run_dir} is a file; give the run directory that holds it")
     rows, seen = [], set()
