@@ -755,7 +755,7 @@ def test_report_of_a_real_run_directory(tmp_path: Path):
 
     from vase.run.runner import run
 
-    overrides = ["model=tiny", "logger=none", "limit=2", "n_samples=2", "budget=32", "window=16"]
+    overrides = ["model=tiny", "task=gsm_symbolic", "logger=none", "limit=2", "n_samples=2", "budget=32", "window=16"]
     overrides += ["generation.max_length=120", "progress=false", f"results_dir={tmp_path / 'results'}"]
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
