@@ -148,10 +148,27 @@ def section_kernel(sec: Section, cfg: dict, device: str, dtype: str) -> dict:
     return result
 
 
+def _smoke_decoder(model, policy, rows: int, lens: list[int], caps: list[int], on_step, **kw):
+    """The smoke decodes' :class:`~vase.engine.Decoder`: ``rows`` rows sized for the longest prompt + cap, the model
+    card's sampling, EOS ignored (every sample runs to its cap); ``kw`` (compile settings) passed on."""
+    from vase.engine import Decoder, SamplingConfig, cache_capacity
+
+    return Decoder(
+        model,
+        policy,
+        rows=rows,
+        capacity=max(cache_capacity(policy, p, c) for p, c in zip(lens, caps)),
+        sampling=SamplingConfig(temperature=0.6, top_p=0.95, top_k=20),
+        max_new_tokens=max(caps),
+        ignore_eos=True,
+        on_step=on_step,
+        **kw,
+    )
+
+
 def section_decode(sec: Section, model, cfg: dict) -> dict:
     """A short real decode (see the module docstring); PASS when every sample ends at its cap, finite."""
     from vase.bench.jobs import make_policy
-    from vase.engine import Decoder, SamplingConfig, cache_capacity
 
     policy = make_policy(cfg["policy"], cfg["budget"], cfg["window"])
     lens, caps = cfg["prompt_lens"], cfg["max_new_tokens"]
@@ -164,16 +181,7 @@ def section_decode(sec: Section, model, cfg: dict) -> dict:
             marks["evict_steps"] += 1
             marks["staggered"] += len(info.evicted_rows) < info.active_rows
 
-    dec = Decoder(
-        model,
-        policy,
-        rows=cfg["rows"],
-        capacity=max(cache_capacity(policy, p, c) for p, c in zip(lens, caps)),
-        sampling=SamplingConfig(temperature=0.6, top_p=0.95, top_k=20),
-        max_new_tokens=max(caps),
-        ignore_eos=True,
-        on_step=deadline_hook(sec.deadline, on_step),
-    )
+    dec = _smoke_decoder(model, policy, cfg["rows"], lens, caps, deadline_hook(sec.deadline, on_step))
     t0 = time.perf_counter()
     done = list(dec.run(reqs))
     if dec.device.type == "cuda":
@@ -252,7 +260,6 @@ def section_compile(sec: Section, model, cfg: dict, dry_run: bool) -> dict:
     whether the samples agree. The dry run compiles with dynamo's ``eager`` backend (every code path of the compiled
     step but inductor's code and the capture)."""
     from vase.bench.jobs import make_policy
-    from vase.engine import Decoder, SamplingConfig, cache_capacity
 
     policy = make_policy(cfg["policy"], cfg["budget"], cfg["window"])
     # one sample per row, one output cap: every step in one row bucket (one graph to compile and capture)
@@ -264,18 +271,9 @@ def section_compile(sec: Section, model, cfg: dict, dry_run: bool) -> dict:
     for mode in ("off", "on"):
         reqs = staggered_requests(lens, samples, model.config.vocab_size, seed=3, max_new_tokens=caps)
         walls: list[tuple[int, float]] = []  # (live rows, wall clock) after each step
-        dec = Decoder(
-            model,
-            policy,
-            rows=cfg["rows"],
-            capacity=max(cache_capacity(policy, p, c) for p, c in zip(lens, caps)),
-            sampling=SamplingConfig(temperature=0.6, top_p=0.95, top_k=20),
-            max_new_tokens=max(caps),
-            ignore_eos=True,
-            on_step=deadline_hook(sec.deadline, lambda info, w=walls: w.append((info.active_rows, info.wall_seconds))),
-            compile=mode,
-            compile_backend="eager" if dry_run and mode == "on" else None,
-        )
+        hook = deadline_hook(sec.deadline, lambda info, w=walls: w.append((info.active_rows, info.wall_seconds)))
+        backend = "eager" if dry_run and mode == "on" else None
+        dec = _smoke_decoder(model, policy, cfg["rows"], lens, caps, hook, compile=mode, compile_backend=backend)
         done = list(dec.run(reqs))
         if dec.device.type == "cuda":
             torch.cuda.synchronize(dec.device)
