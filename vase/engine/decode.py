@@ -22,7 +22,8 @@ sample as soon as it ends:
   a few extra tokens that are discarded. Between these points a step never waits for the device, evicting or not
   (:meth:`Decoder._decode_step`; ``tests/test_gpu_path.py`` counts the syncs).
 * Hooks: ``on_step(StepInfo)`` after every decode step, ``on_logits(step, logits)`` after every forward (step 0 is a
-  prefill), ``on_cache(cache)`` once.
+  prefill; it may change the logits in place, e.g. teacher forcing: the step's tokens are then drawn after it, from
+  the same keys), ``on_cache(cache)`` once.
 
 :func:`vase.engine.generate.generate` is the one-prompt form (its ``n_samples`` rows decoded together), used by
 tests, analyses and benchmarks.
