@@ -46,6 +46,7 @@ sweep's jobs in the same order); a submitit launcher is refused.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -328,6 +329,25 @@ def current_world() -> World:
     return _WORLD
 
 
+def shutdown() -> None:
+    """Destroy this process's process groups (registered with :mod:`atexit` when they start).
+
+    A process that exits with its gloo groups alive lets C++ destroy their threads at interpreter teardown, and a
+    still-joinable thread there aborts the process (``terminate called without an active exception``, exit code
+    -6 instead of the run's own): measured on 4 of 30 ranks that ended with a one-line error. Destroying the groups
+    is local to the rank (no collective), so a rank whose peers are gone still exits with its own code.
+    """
+    global _WORLD
+    import torch.distributed as dist
+
+    _WORLD = None
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as err:  # a group already torn down by a failure: nothing left to free
+        logger.debug("destroying the process groups: %s", err)
+
+
 def _start(launch: Launch) -> World:
     import torch.distributed as dist
 
@@ -339,6 +359,7 @@ def _start(launch: Launch) -> World:
     if not dist.is_initialized():
         store = _rendezvous(launch, timeout.total_seconds())
         dist.init_process_group("gloo", store=store, rank=launch.rank, world_size=launch.size, timeout=timeout)
+        atexit.register(shutdown)
     wait = dist.new_group(backend="gloo", timeout=timedelta(seconds=_seconds(WAIT_ENV, DEFAULT_WAIT_S)))
     hosts: list[Any] = [None] * launch.size
     dist.all_gather_object(hosts, socket.gethostname())
