@@ -10,6 +10,9 @@ The ranks come from the environment: ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` 
 the job id). torch.distributed does the rest (a gloo process group: only small Python objects travel, never
 tensors, so no NCCL). One process is :class:`World` of size 1 and runs exactly the single-process code.
 
+Long module: the launch environment, the bounded rendezvous, the ranks' collectives and the device choice are one
+protocol (each step's failure must reach every rank as one line), read together.
+
 How a run is shared (:func:`vase.run.runner.run`):
 
 * every rank builds the same config, loads the same problems and measures the same prompts (deterministic);
@@ -330,13 +333,8 @@ def current_world() -> World:
 
 
 def shutdown() -> None:
-    """Destroy this process's process groups (registered with :mod:`atexit` when they start).
-
-    A process that exits with its gloo groups alive lets C++ destroy their threads at interpreter teardown, and a
-    still-joinable thread there aborts the process (``terminate called without an active exception``, exit code
-    -6 instead of the run's own): measured on 4 of 30 ranks that ended with a one-line error. Destroying the groups
-    is local to the rank (no collective), so a rank whose peers are gone still exits with its own code.
-    """
+    """Destroy this process's process groups (at exit): alive, their threads abort the teardown (exit -6,
+    ``terminate called without an active exception``; 4 of 30 ranks). Local to the rank: no collective."""
     global _WORLD
     import torch.distributed as dist
 
@@ -344,7 +342,7 @@ def shutdown() -> None:
     try:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    except Exception as err:  # a group already torn down by a failure: nothing left to free
+    except Exception as err:  # a group already torn down by a failure
         logger.debug("destroying the process groups: %s", err)
 
 
