@@ -95,8 +95,9 @@ def triattention_score(
         keys: ``(B, H, N, D)`` post-RoPE keys.
         now: ``(B,)`` the rows' current position (their sequence length; the authors' ``round_start``).
         q_mean: ``(Hq, D/2)`` complex64 mean pre-RoPE query per query head (query head ``j`` uses KV head
-            ``j // (Hq // H)``).
-        q_abs: ``(Hq, D/2)`` float32 mean modulus ``m_f``.
+            ``j // (Hq // H)``), or ``(B, Hq, D/2)``: each row's own (the rows of an eviction event are of
+            different layers).
+        q_abs: ``(Hq, D/2)`` or ``(B, Hq, D/2)`` float32 mean modulus ``m_f``.
         omega: ``(D/2,)`` RoPE's angular frequencies (``inv_freq``).
         freq_scale_sq: ``s_f²`` (RoPE's attention scaling squared).
         offsets: ``(O,)`` future offsets.
@@ -107,10 +108,10 @@ def triattention_score(
         ``(B, Hq, N)`` float32.
     """
     b, h, n, _ = keys.shape
-    hq, f = q_mean.shape
+    hq, f = q_mean.shape[-2:]
     g = hq // h
     k = complex_pairs(keys)  # (B, H, N, F)
-    qm = q_mean.reshape(h, g, f)[None, :, :, None, :]  # (1, H, G, 1, F)
+    qm = q_mean.reshape(-1, h, g, f)[:, :, :, None, :]  # (1 or B, H, G, 1, F)
     prod = qm * k.conj()[:, :, None]  # (B, H, G, N, F)
     t = now.to(torch.float64)[:, None] + offsets.to(device=keys.device, dtype=torch.float64)[None]  # (B, O)
     phase = t[..., None] * omega.to(device=keys.device, dtype=torch.float64)  # (B, O, F)
@@ -123,7 +124,7 @@ def triattention_score(
         per = (prod[:, :, :, :, None, :] * rot[:, None, None, None]).real.sum(-1) * freq_scale_sq  # (B,H,G,N,O)
         base = per.amax(dim=-1)
     coef = q_abs - q_mean.abs() if mlr else q_abs
-    extra = (k.abs()[:, :, None] * coef.reshape(h, g, f)[None, :, :, None, :]).sum(-1) * freq_scale_sq
+    extra = (k.abs()[:, :, None] * coef.reshape(-1, h, g, f)[:, :, :, None, :]).sum(-1) * freq_scale_sq
     return (base + extra).reshape(b, hq, n)
 
 
@@ -267,8 +268,8 @@ class TriAttention(EvictionPolicy):
         score = triattention_score(
             inputs.keys,
             now,
-            self._q_mean[inputs.layer_idx],
-            self._q_abs[inputs.layer_idx],
+            self._q_mean[inputs.layer_ids],  # (B, Hq, F): each row's layer's centres
+            self._q_abs[inputs.layer_ids],
             self._omega,
             self._scale_sq,
             self._offsets,

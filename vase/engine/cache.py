@@ -56,10 +56,12 @@ import torch
 from transformers.cache_utils import Cache
 
 from vase.engine.attention import MASK_ALIGN, additive_mask
+from vase.engine.evict import evict_rows
 from vase.engine.geometry import CacheGeometry, LayerCounters, aux_bytes_per_row, cache_capacity, span_of
 from vase.engine.layer import VaseLayer
 from vase.engine.policy import Policy
 from vase.engine.rng import EVICT_SALT, row_keys
+from vase.engine.storage import CacheStorage
 
 logger = logging.getLogger(__name__)
 
@@ -217,7 +219,15 @@ class VaseCache(Cache):
         self.live_t = torch.zeros(rows, dtype=torch.bool, device=device)  # bucketed: the row is live (not padding)
         self._index: dict[tuple[int, ...], torch.Tensor] = {}  # this step's row index tensors (see index())
         self.on_evict = None  # optional callback(layer, row_ids, keep_idx, kept_positions) for analyses
-        super().__init__(layers=[VaseLayer(i, self) for i in range(geometry.num_layers)])
+        n_layers = geometry.num_layers
+        window = policy.window if policy.needs_queries else None
+        self.storage = CacheStorage(
+            rows, n_layers, geometry.num_kv_heads, geometry.num_q_heads, cap, geometry.head_dim, window
+        )
+        # an eviction event's folded rows (row-major: folded row i is row i // L on layer i % L), built once
+        self.fold_row_ids = torch.arange(rows * n_layers, device=device)  # (rows * L,) slot * L + layer
+        self.fold_layer_ids = self.fold_row_ids % n_layers  # (rows * L,) the layer of each
+        super().__init__(layers=[VaseLayer(i, self) for i in range(n_layers)])
 
     # ---- admission and decode steps ----------------------------------------------------------------------------
     def index(self, slots: Sequence[int]) -> slice | torch.Tensor:
@@ -244,8 +254,7 @@ class VaseCache(Cache):
             self.row_ids[r] = rid
             self.row_evictions[r] = 0
             self.row_eviction_seconds[r] = 0.0
-            for layer in self.layers:
-                layer.clear_row(r)
+            self.storage.clear_row(r)
         idx = self.index(slots)
         self.evict_key[idx] = to_device(row_keys(seeds, EVICT_SALT), self.device)
         if self.attended is not None:
@@ -359,18 +368,18 @@ class VaseCache(Cache):
         return due
 
     def _evict(self, rows: list[int]) -> None:
-        """Evict ``rows`` on every layer: they then hold ``budget`` tokens."""
-        for layer in self.layers:
-            layer.evict_rows(rows)
+        """Evict ``rows`` on every layer, one event per group of rows (:func:`vase.engine.evict.evict_rows`): they
+        then hold ``budget`` tokens."""
+        evict_rows(self, rows)
         budget = self.policy.budget
         for r in rows:
             self.lengths[r] = budget
         self.lengths_t[self.index(rows)] = budget
 
-    def record_eviction(self, slots: Sequence[int]) -> None:
-        """Count one eviction call for each row of ``slots``."""
+    def record_eviction(self, slots: Sequence[int], layers: int = 1) -> None:
+        """Count ``layers`` eviction calls (one per layer of an event) for each row of ``slots``."""
         for r in slots:
-            self.row_evictions[r] += 1
+            self.row_evictions[r] += layers
 
     def credit_seconds(self, slots: Sequence[int], seconds: float) -> None:
         """Share an eviction call's ``seconds`` among its rows (called by :attr:`clock`)."""
@@ -393,9 +402,7 @@ class VaseCache(Cache):
     # ---- rows ----------------------------------------------------------------------------------------------------
     def move_row(self, src: int, dst: int) -> None:
         """Move live row ``src`` into the free row ``dst`` (keeps the live rows contiguous)."""
-        length = self.lengths[src]
-        for layer in self.layers:
-            layer.move_row(src, dst, length)
+        self.storage.move_row(src, dst, self.lengths[src])
         self.clock.resolve()  # pending seconds are credited to the row's slot before it moves
         for lst in (
             self.lengths,
@@ -417,8 +424,7 @@ class VaseCache(Cache):
         Its storage and length stay readable until the slot is reused (analyses inspect a cache after a decode).
         """
         self.row_ids[slot] = None
-        for layer in self.layers:
-            layer.clear_row(slot, scrub=scrub)
+        self.storage.clear_row(slot, scrub=scrub)
 
     def row_stats(self, slot: int) -> dict:
         """What a finished row reports: eviction calls (summed over layers), their seconds, attended tokens.
@@ -445,17 +451,13 @@ class VaseCache(Cache):
 
     def kv_bytes(self) -> int:
         """Bytes of K and V storage actually allocated (the static footprint)."""
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers if layer.is_initialized)
+        st = self.storage
+        return st.keys.nbytes + st.values.nbytes if st.allocated else 0
 
     def aux_bytes(self) -> int:
         """Bytes of the side buffers: positions and the query ring."""
-        total = 0
-        for layer in self.layers:
-            if layer.positions is not None:
-                total += layer.positions.nbytes
-            if layer.queries is not None:
-                total += layer.queries.nbytes
-        return total
+        st = self.storage
+        return sum(t.nbytes for t in (st.positions, st.queries) if t is not None)
 
     def evictions(self) -> int:
         """Eviction calls summed over layers and rows."""

@@ -129,6 +129,7 @@ def mark_static(cache) -> None:
     tensors += [cache.write_slot, cache.live_t]
     if cache.attended is not None:
         tensors.append(cache.attended)
+    tensors += cache.storage.tensors()  # the stacked storage and every layer's views of it
     for layer in cache.layers:
         tensors += [t for t in (layer.keys, layer.values, layer.positions, layer.queries) if t is not None]
     for t in tensors:

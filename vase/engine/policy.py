@@ -4,8 +4,10 @@ A policy is a small dataclass whose fields are its hyper-parameters. The engine 
 storage and calls the policy at two hooks:
 
 * eviction policies (``kind = "eviction"``) implement :meth:`EvictionPolicy.keep`: at each eviction event the engine
-  hands the candidates of the rows that evict now (one layer) and gets back, per (row, KV head), the indices of the
-  candidates to keep; the engine does the gather and moves the recent window behind them.
+  hands the candidates of the rows that evict now, every layer at once (the layer axis folded into the row axis:
+  ``B`` = rows x layers, ``EvictionInputs.layer_ids`` the layer of each), and gets back, per (row, KV head), the
+  indices of the candidates to keep; the engine does the gather and moves the recent window behind them
+  (:mod:`vase.engine.evict`).
 * selection policies (``kind = "selection"``, e.g. Quest, SeerAttention-R) keep every token and implement
   :meth:`SelectionPolicy.select`: per decode step and layer, a boolean mask of the held tokens that the step attends to,
   per KV head or per query head.
@@ -25,8 +27,9 @@ Before decoding, the decoder calls :meth:`Policy.setup` once with the model's co
 e.g. SeerAttention-R's gates, checks and loads it there).
 
 Policy state: ``inputs.state`` is a dict of row-first tensors ``(B, ...)`` that the engine keeps per row and per layer
-between calls (e.g. CurDKV's sketch). A call's rows all have the same keys in their state: an empty dict means these
-rows have never stored anything on this layer (new sequences). Put or replace tensors in it; the engine stores each
+between calls (e.g. CurDKV's sketch; an eviction call's rows are (sequence, layer) pairs, so its state rows are too).
+A call's rows all have the same keys in their state: an empty dict means these rows have never stored anything
+(new sequences). Put or replace tensors in it; the engine stores each
 row's slice and hands it back at the row's next call. A key must keep its per-row shape for the row's lifetime.
 """
 
@@ -52,7 +55,11 @@ def _check(cond: bool, setting: str, msg: str) -> None:
 
 @dataclass
 class EvictionInputs:
-    """What the engine hands an eviction policy at one eviction event of one layer.
+    """What the engine hands an eviction policy at one eviction event.
+
+    The engine's rows are (sequence, layer) pairs: an event folds every layer of the sequences that evict together
+    into the row axis (``B = sequences x layers``; ``layer_ids`` says each row's layer). Inputs built by hand may hold
+    one layer (``layer_idx``).
 
     Attributes:
         keys: ``(B, H, N, D)`` post-RoPE keys of the candidates (every held token but the ``window`` most recent, and
@@ -61,12 +68,14 @@ class EvictionInputs:
         positions: ``(B, H, N)`` int64 absolute token positions of the candidates (0 = first prompt token).
         n_keep: how many candidates to keep per (sequence, KV head): ``budget - window`` (``- P`` with
             ``keep_prompt``, ``P`` the rows' prompt length).
-        layer_idx: index of the layer.
+        layer_idx: index of the layer when every row is of one layer (inputs built by hand); ``None`` in the
+            engine's folded calls: read ``layer_ids``.
         scaling: softmax scale of the model's attention (usually ``D ** -0.5``).
+        layer_ids: ``(B,)`` int64 layer of each row (filled from ``layer_idx`` when not given).
         rng: the rows' random streams (:class:`vase.engine.rng.RowRNG`), keyed by each row's eviction key, its
-            absolute position at this eviction and the layer; draw through :meth:`rand` / :meth:`randn` (one batched
+            absolute position at this eviction and its layer; draw through :meth:`rand` / :meth:`randn` (one batched
             draw for all rows) so that a row's choice does not depend on the other rows of the batch.
-        state: the rows' persistent state on this layer (see the module docstring): ``{key: (B, ...) tensor}``.
+        state: the rows' persistent state (per row and layer; see the module docstring): ``{key: (B, ...) tensor}``.
         queries: ``(B, Hq, Wq, D)`` post-RoPE queries of the last ``Wq <= window`` tokens, or ``None`` when the policy
             does not declare ``needs_queries``.
         score_dtype: the dtype of the policy's score math (``protocol.score_dtype``, set by the engine): pass it as
@@ -92,7 +101,7 @@ class EvictionInputs:
     values: torch.Tensor
     positions: torch.Tensor
     n_keep: int
-    layer_idx: int
+    layer_idx: int | None
     scaling: float
     rng: RowRNG | None = None
     state: dict = field(default_factory=dict)
@@ -103,14 +112,21 @@ class EvictionInputs:
     window_positions: torch.Tensor | None = None
     query_positions: torch.Tensor | None = None
     n_new_queries: torch.Tensor | None = None
+    layer_ids: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        if self.layer_ids is None:
+            if self.layer_idx is None:
+                raise ValueError("EvictionInputs: give layer_idx or layer_ids")
+            b = self.keys.shape[0]
+            self.layer_ids = torch.full((b,), self.layer_idx, dtype=torch.long, device=self.keys.device)
         if self.rng is None:
             b = self.keys.shape[0]
             seeds = [g.initial_seed() for g in self.generators] if self.generators is not None else [0] * b
             if len(seeds) != b:
                 raise ValueError(f"EvictionInputs: {len(seeds)} generators for {b} rows")
-            self.rng = RowRNG.from_seeds(seeds, stream=self.layer_idx, device=self.keys.device)
+            self.rng = RowRNG.from_seeds(seeds, device=self.keys.device)
+            self.rng.stream = self.layer_idx if self.layer_idx is not None else self.layer_ids
 
     @property
     def shape(self) -> tuple[int, int, int, int]:

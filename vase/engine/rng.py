@@ -89,24 +89,31 @@ def row_keys(seeds: Sequence[int], salt: int) -> list[list[int]]:
 
 
 class RowRNG:
-    """Random streams of a batch of rows: row ``b``'s numbers depend only on ``key[b]``, ``counter[b]`` and ``stream``.
+    """Random streams of a batch of rows: row ``b``'s numbers depend only on ``key[b]``, ``counter[b]`` and its stream.
 
     Args:
         key: ``(B, 2)`` int64, each row's key words in ``[0, 2^32)`` (:func:`row_key`).
         counter: ``(B,)`` int64 in ``[0, 2^32)``, e.g. the row's absolute position.
-        stream: a host integer separating independent uses of the same (key, counter), e.g. the layer.
+        stream: a host integer separating independent uses of the same (key, counter), e.g. the layer; or a ``(B,)``
+            int64 tensor in ``[0, 2^32)``, each row's own stream (an eviction event draws for the rows of every layer
+            at once, each with its layer as stream). Both give the same numbers: a row with stream tensor value ``s``
+            draws exactly what it draws with the host integer ``s`` (the stream's hash moves from the host to the
+            device, nothing else changes; ``tests/test_rng.py``).
 
     Each call of :meth:`uniform` / :meth:`normal` / :meth:`exponential` is a new draw (a draw index counted on the
     host, so the same sequence of calls on a row gives the same numbers whatever its batch-mates).
     """
 
-    def __init__(self, key: torch.Tensor, counter: torch.Tensor, stream: int = 0):
+    def __init__(self, key: torch.Tensor, counter: torch.Tensor, stream: int | torch.Tensor = 0):
         if key.dim() != 2 or key.shape[1] != 2 or counter.shape != key.shape[:1]:
             raise ValueError(
                 f"RowRNG: key (B, 2) and counter (B,) expected, got {tuple(key.shape)} {tuple(counter.shape)}"
             )
+        if isinstance(stream, torch.Tensor) and stream.shape != counter.shape:
+            raise ValueError(f"RowRNG: a stream tensor must be (B,) like the counter, got {tuple(stream.shape)}")
         self.key, self.counter, self.stream = key, counter, stream
         self.draws = 0
+        self._stream_hash: torch.Tensor | None = None
 
     @classmethod
     def from_seeds(
@@ -116,18 +123,36 @@ class RowRNG:
         key = torch.tensor(row_keys(seeds, salt), dtype=torch.long, device=device)
         return cls(key, torch.full((len(seeds),), counter, dtype=torch.long, device=device), stream)
 
+    def _salts(self) -> tuple[int, int] | torch.Tensor:
+        """This draw's ``(S1, S2)``: two host ints, or ``(B, 2)`` int64 for a stream tensor (the same values)."""
+        d1, d2 = mix32_int(self.draws), mix32_int(self.draws ^ _K1_SALT)
+        if not isinstance(self.stream, torch.Tensor):
+            return (
+                mix32_int(mix32_int(self.stream ^ _K1_SALT) ^ d1),
+                mix32_int(mix32_int(self.stream ^ _K2_SALT) ^ d2),
+            )
+        if self._stream_hash is None:  # (B, 2): mix(stream ^ K1), mix(stream ^ K2), once per RowRNG
+            salts = torch.tensor([_K1_SALT, _K2_SALT], dtype=torch.long, device=self.stream.device)
+            self._stream_hash = mix32(self.stream[:, None].bitwise_xor(salts))
+        d = torch.tensor([d1, d2], dtype=torch.long, device=self.stream.device)
+        return mix32(self._stream_hash.bitwise_xor(d))
+
     def _round_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k1, k2)``, each ``(B, 1)`` int64: this draw's round keys per row.
 
         ``m = mix(counter)``; ``k1 = mix(a ^ mix(m ^ S1))``, ``k2 = mix(b ^ mix(m ^ S2))`` with ``S1, S2`` two
-        independent host hashes of (stream, draw index): two draws of a row share round keys only if 64 bits collide.
+        independent hashes of (stream, draw index): two draws of a row share round keys only if 64 bits collide.
         """
-        s1 = mix32_int(mix32_int(self.stream ^ _K1_SALT) ^ mix32_int(self.draws))
-        s2 = mix32_int(mix32_int(self.stream ^ _K2_SALT) ^ mix32_int(self.draws ^ _K1_SALT))
+        salts = self._salts()
         self.draws += 1
         m = mix32(self.counter.bitwise_and(MASK32))
+        if isinstance(salts, torch.Tensor):
+            pre = m[:, None].bitwise_xor(salts)
+        else:
+            s1, s2 = salts
+            pre = torch.stack((m ^ s1, m ^ s2), dim=1)
         # both chains in one (B, 2) computation: the same values as two (B,) ones, in 35 ops instead of 55
-        k = mix32(self.key.bitwise_xor(mix32(torch.stack((m ^ s1, m ^ s2), dim=1))))
+        k = mix32(self.key.bitwise_xor(mix32(pre)))
         return k[:, :1], k[:, 1:]
 
     def bits(self, numel: int) -> torch.Tensor:
