@@ -343,7 +343,8 @@ def test_model_attention_restored_after_generation():
 
 
 def test_take_tokens_equals_gather():
-    from vase.engine.evict import flat_index as _flat_index, take_tokens as _take_tokens
+    from vase.engine.evict import flat_index as _flat_index
+    from vase.engine.evict import take_tokens as _take_tokens
 
     g = torch.Generator().manual_seed(0)
     buf = torch.randn(3, 2, 11, 4, generator=g)

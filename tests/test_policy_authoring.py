@@ -92,18 +92,21 @@ class Recorder(SnapKV):
     name: ClassVar[str] = "test_recorder"
 
     def keep(self, inputs):
-        CALLS.append(
-            {
-                "layer": inputs.layer_idx,
-                "positions": inputs.positions.clone(),
-                "window_positions": inputs.window_positions.clone(),
-                "window_keys": inputs.window_keys.clone(),
-                "query_positions": inputs.query_positions.clone(),
-                "n_new": inputs.n_new_queries.clone(),
-                "new": inputs.new_queries().clone(),
-                "queries": inputs.queries.clone(),
-            }
-        )
+        # an engine call folds every layer into the row axis: record each layer's rows as one call
+        for layer in inputs.layer_ids.unique().tolist():
+            rows = inputs.layer_ids == layer
+            CALLS.append(
+                {
+                    "layer": layer,
+                    "positions": inputs.positions[rows].clone(),
+                    "window_positions": inputs.window_positions[rows].clone(),
+                    "window_keys": inputs.window_keys[rows].clone(),
+                    "query_positions": inputs.query_positions[rows].clone(),
+                    "n_new": inputs.n_new_queries[rows].clone(),
+                    "new": inputs.new_queries()[rows].clone(),
+                    "queries": inputs.queries[rows].clone(),
+                }
+            )
         return super().keep(inputs)
 
 

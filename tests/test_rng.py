@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from vase.engine.rng import EVICT_SALT, TOKEN_SALT, RowRNG, mix32, mix32_int, row_key
+from vase.engine.rng import EVICT_SALT, TOKEN_SALT, RowRNG, mix32, mix32_int, row_key, row_keys
 from vase.engine.sampling import SamplingConfig, sample_tokens
 
 
@@ -135,3 +135,22 @@ def test_a_draw_is_one_batched_computation(rows):
     with Names() as rec3:
         ref.exponential(20)
     assert rec.ops == rec3.ops
+
+
+def test_a_stream_tensor_draws_what_the_host_streams_draw():
+    """One eviction event draws for the rows of every layer at once, each row with its layer as a stream tensor:
+    bit-identical to the per-layer draws it replaces (the old path kept here as the reference: one RowRNG per layer
+    with the layer as a host int)."""
+    layers, rows = 5, 3
+    keys = torch.tensor(row_keys([7, 123, 2**40 + 5], EVICT_SALT))
+    counters = torch.tensor([17, 4096, 2**31 + 3])
+    folded = RowRNG(
+        keys.repeat_interleave(layers, 0),
+        counters.repeat_interleave(layers),
+        stream=torch.arange(layers).repeat(rows),
+    )
+    per_layer = [RowRNG(keys, counters, stream=li) for li in range(layers)]
+    for draw in ("uniform", "normal", "exponential", "uniform"):
+        got = getattr(folded, draw)(2, 7).view(rows, layers, 2, 7)
+        for li, rng in enumerate(per_layer):
+            assert torch.equal(got[:, li], getattr(rng, draw)(2, 7)), (draw, li)

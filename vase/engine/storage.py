@@ -154,7 +154,7 @@ class RowState:
                 row_keys[r] = keys
 
     def move_row(self, src: int, dst: int) -> None:
-        for k, t in self.store.items():
+        for t in self.store.values():
             t[dst] = t[src]
         for row_keys in self.keys:
             row_keys[dst] = row_keys[src]
