@@ -1,17 +1,19 @@
 """The static-budget KV cache: the only code in the project that touches transformers' cache internals.
 
-One :class:`VaseCache` serves a whole decode (many problems, continuous batching). Per layer it preallocates, once,
-K and V storage of shape ``(rows, num_key_value_heads, capacity, head_dim)`` (never repeated per query head), zero
-filled, with
+One :class:`VaseCache` serves a whole decode (many problems, continuous batching). It preallocates, once, K and V
+storage for every layer in one tensor per kind (:class:`~vase.engine.storage.CacheStorage`) of shape
+``(rows, layers, num_key_value_heads, capacity, head_dim)`` (never repeated per query head), zero filled, with
 
 * ``capacity = min(P + max_new_tokens, max(P, budget) + E)`` for eviction policies (``E`` the eviction period,
   ``window`` by default; ``max(P, budget + E)`` with ``compress_prefill``),
 * ``capacity = P + max_new_tokens`` for the full cache and selection policies,
 
 where ``P`` is the longest prompt the cache will hold (:func:`cache_capacity`). Beside it: the absolute position of
-every held token ``(rows, H, capacity)`` and, only for policies that declare ``needs_queries``, a ring buffer of the
-last ``window`` post-RoPE queries of every row ``(rows, Hq, window, head_dim)`` (a query of position ``p`` sits in
-slot ``p % window``).
+every held token ``(rows, layers, H, capacity)`` and, only for policies that declare ``needs_queries``, a ring buffer
+of the last ``window`` post-RoPE queries of every row ``(rows, layers, Hq, window, head_dim)`` (a query of position
+``p`` sits in slot ``p % window``). Layer ``l``'s :class:`~vase.engine.layer.VaseLayer` (transformers'
+``CacheLayerMixin``) works on the views ``[:, l]`` (``(rows, H, capacity, D)``): the append and the attention are
+per layer, an eviction is one event for all layers (:mod:`vase.engine.evict`).
 
 Rows. Row ``r`` is a slot of the storage; rows ``[0, n_live)`` are live and decode together (the decode loop keeps
 them contiguous: a finished row's slot is given to the next pending sample, or the last live row moves into it). Each
@@ -29,7 +31,8 @@ The eviction scaffold (``../shared/docs/method.md`` §2), per row: after a decod
 ``budget`` tokens and its count is a multiple of ``window``, its candidates are all held tokens but the ``window`` most
 recent; the policy picks ``budget - window`` of them per KV head; the engine gathers them to the front of the row's
 storage and moves the recent window behind them, in place. Rows that evict at the same step with the same held length
-(and the same kind of policy state) are handed to the policy in one call.
+(and the same kind of policy state) are one event: every layer of them is handed to the policy in one call, the
+layer axis folded into the row axis (:mod:`vase.engine.evict`: one scoring, top-k, gather and random draw per event).
 
 Policy-declared variants of the scaffold (:class:`~vase.engine.policy.EvictionPolicy`):
 
