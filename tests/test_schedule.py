@@ -327,7 +327,12 @@ class _Recording(RandomEviction):
     calls: ClassVar[list] = []
 
     def keep(self, inputs: EvictionInputs) -> torch.Tensor:
-        self.calls.append((inputs.positions.clone(), inputs.n_keep, inputs.window_keys.shape))
+        # one call folds every layer into the rows (row i: sequence i // L, layer i % L); recorded per layer, as the
+        # engine's on_evict reports it
+        layers = int(inputs.layer_ids.max()) + 1
+        for li in range(layers):
+            rows = inputs.layer_ids == li
+            self.calls.append((inputs.positions[rows].clone(), inputs.n_keep, inputs.window_keys[rows].shape))
         return super().keep(inputs)
 
 
