@@ -445,3 +445,25 @@ def test_paper_refuses_a_local_copy_that_is_not_the_authors_before_anything(tmp_
     gsm.task.load()
     check_authors_data(gsm.task, cfg.protocol)
     assert data_copy(gsm.task)["copy"] == "local"
+
+
+def test_a_run_between_the_papers_rows_is_shown_beside_the_closest_one_with_what_differs():
+    """A pilot cell that matches no paper row exactly (VaSE-AttnV at its defaults: 4 sinks, ``n_protect`` = budget // 4)
+    is put beside the row it agrees with most, naming the fields that differ; an exact match, a tie or a policy
+    without a row gives none."""
+    defaults = {
+        "sinks": 4,
+        "n_protect": None,
+        "sample": True,
+        "value_stat": "range",
+        "smooth_kernel": 5,
+        "smooth_along": "storage",
+    }
+    row, differs = GSM8K_PILOT.closest("vase_attnv", defaults)
+    assert row.row == "vase_attnv_sinks" and differs == {"n_protect": (None, 256)}
+    row, differs = GSM8K_PILOT.closest("vase_attnv", {**defaults, "sinks": 0})
+    assert row.row == "vase_attnv" and set(differs) == {"n_protect"}
+    exact = dict(GSM8K_PILOT.row("vase_attnv_sinks").settings)
+    assert GSM8K_PILOT.closest("vase_attnv", exact) is None and GSM8K_PILOT.match("vase_attnv", exact) is not None
+    assert GSM8K_PILOT.closest("vase_attnv", {**defaults, "sinks": 2}) is None  # both rows differ in two fields
+    assert GSM8K_PILOT.closest("no_such_policy", defaults) is None

@@ -82,6 +82,25 @@ class PaperTable:
                 return r
         return None
 
+    def closest(self, policy: str, params: dict[str, Any] | str) -> tuple[PaperRow, dict[str, tuple]] | None:
+        """The row of ``policy`` whose settings these fields agree with most, when no row matches exactly.
+
+        Returns:
+            ``(row, differs)`` with ``differs = {field: (this run's value, the row's value)}``, or ``None`` when a
+            row matches exactly (use :meth:`match`), ``policy`` has no row, or two rows agree equally well.
+        """
+        if self.match(policy, params) is not None:
+            return None
+        fields = json.loads(params) if isinstance(params, str) else dict(params or {})
+        scored = []
+        for r in (r for r in self.rows if r.policy == policy):
+            differs = {k: (fields.get(k), v) for k, v in r.settings.items() if fields.get(k) != v}
+            scored.append((len(differs), r, differs))
+        scored.sort(key=lambda t: t[0])
+        if not scored or (len(scored) > 1 and scored[0][0] == scored[1][0]):
+            return None
+        return scored[0][1], scored[0][2]
+
 
 _ATTN = {"sinks": 0, "n_protect": 0, "sample": False, "smooth_kernel": 5, "smooth_along": "storage"}
 

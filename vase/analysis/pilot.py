@@ -107,7 +107,15 @@ def pilot_table(root: str | Path) -> pd.DataFrame:
                     d = 100 * (both.iloc[:, 0] - both.iloc[:, 1])
                     delta, se = float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
             base = str(r["policy_name"])
-            paper = GSM8K_PILOT.match(base, r["params"])
+            paper, note = GSM8K_PILOT.match(base, r["params"]), ""
+            if paper is None and (near := GSM8K_PILOT.closest(base, r["params"])) is not None:
+                paper, differs = near
+                note = (
+                    f"no row of the paper has this run's settings; the closest is {paper.row!r} "
+                    f"({paper.label}), which differs in "
+                    + ", ".join(f"{k} ({mine!r} here, {theirs!r} there)" for k, (mine, theirs) in differs.items())
+                    + (f". {paper.note[0].upper()}{paper.note[1:]}" if paper.note else "")
+                )
             rows.append(
                 {
                     "task": task,
@@ -135,7 +143,7 @@ def pilot_table(root: str | Path) -> pd.DataFrame:
                     "paper_row": paper.row if paper else None,
                     "paper_gsm8k": paper.accuracy if paper else float("nan"),
                     "paper_published": paper.published if paper else None,
-                    "paper_note": paper.note if paper else "",
+                    "paper_note": note or (paper.note if paper else ""),
                     "_order": (
                         PILOT_ORDER.index(base) if base in PILOT_ORDER else len(PILOT_ORDER),
                         GSM8K_PILOT.rows.index(paper) if paper else len(GSM8K_PILOT.rows),
