@@ -17,7 +17,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vase.analysis.pilot import BLOCKS, pilot_markdown, pilot_table, reasoning_markdown, update_block  # noqa: E402
+from vase.analysis.pilot import (  # noqa: E402
+    BLOCKS,
+    pilot_comparisons,
+    pilot_markdown,
+    pilot_table,
+    reasoning_markdown,
+    update_block,
+)
 
 
 def main() -> int:
@@ -52,7 +59,7 @@ def main() -> int:
             command=command,
         )
     else:
-        text = pilot_markdown(table, args.wall_seconds, command=command)
+        text = pilot_markdown(table, args.wall_seconds, command=command, comparisons=pilot_comparisons(args.results))
     print(text)
     if args.csv:
         table.to_csv(args.csv, index=False)

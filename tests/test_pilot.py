@@ -301,3 +301,28 @@ def test_the_gsm8k_pilots_vase_attnv_rows_and_the_random_row_say_what_their_numb
     notes = [line for line in text.splitlines() if line.startswith("\\*")]
     assert len(notes) == 3 and any("53.20: 53.2 cannot be matched to the authors' code" in n for n in notes)
     assert "‡ not in the paper" in text and "8e1453a" in text
+
+
+def test_the_comparisons_carry_a_bootstrap_ci_and_holm_adjusted_sign_flip_p(reasoning_tree: Path):
+    """The CI, p and Holm columns of the pilot's paired comparisons, recomputed by hand from the per-problem
+    differences (exact sign flips over 4 problems; Holm over the comparisons of the budget)."""
+    import itertools
+
+    import numpy as np
+
+    comp = pilot_comparisons(reasoning_tree).set_index("comparison")
+    a, b = REASONING[("snapkv", True)], REASONING[("snapkv", None)]
+    d = np.array([100 * (sum(a[p]) - sum(b[p])) / len(a[p]) for p in a])
+    boot = d[np.random.default_rng(0).integers(0, d.size, size=(2000, d.size))].mean(axis=1)
+    low, high = np.quantile(boot, [0.025, 0.975])
+    row = comp.loc["keeping the prompt: SnapKV"]
+    assert (row["ci_low"], row["ci_high"]) == pytest.approx((low, high))
+    flips = [abs(np.dot(s, d) / d.size) >= abs(d.mean()) - 1e-9 for s in itertools.product((1, -1), repeat=d.size)]
+    assert row["p"] == pytest.approx(np.mean(flips))
+    p = comp["p"].to_numpy()
+    order = np.argsort(p)
+    m = np.isfinite(p).sum()
+    adjusted = np.maximum.accumulate(np.minimum(1, (m - np.arange(m)) * p[order]))
+    assert comp["p_holm"].to_numpy()[order] == pytest.approx(adjusted)
+    text = pilot_markdown(pilot_table(reasoning_tree), comparisons=pilot_comparisons(reasoning_tree))
+    assert "| keeping the prompt: SnapKV |" in text and "95 % CI" in text and "p (Holm)" in text
