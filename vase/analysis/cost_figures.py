@@ -113,7 +113,7 @@ def figure_matched_memory(summary: pd.DataFrame, res: FigureResult) -> None:
         ax.set_ylabel("pass@1 (%)")
         ax.set_ylim(-2, 102)
         ax.grid(alpha=0.3)
-        ax.set_title(f"Accuracy at matched memory\n{TASK_LABELS.get(task, task)}, {model}")
+        ax.set_title(f"Matched memory, {TASK_LABELS.get(task, task)}\n{model}")
         legend_below(fig, ncols=1 if len(pols) < 4 else 2)
         res.figures[name] = fig
 

@@ -81,6 +81,11 @@ COMPARISONS: tuple[tuple[Side, Side, str, float, str], ...] = (
 )
 
 
+def _setting(value) -> str:
+    """A policy field's value in a note: ``its default`` for an unset (``None``) field."""
+    return "its default" if value is None else repr(value)
+
+
 def _per_problem(tree, run_ids) -> pd.Series:
     """Mean correctness per problem over the samples of ``run_ids`` (one policy)."""
     s = tree.samples[tree.samples["run_id"].isin(run_ids)]
@@ -114,7 +119,7 @@ def pilot_table(root: str | Path) -> pd.DataFrame:
                 note = (
                     f"no row of the paper has this run's settings; the closest is {paper.row!r} "
                     f"({paper.label}), which differs in "
-                    + ", ".join(f"{k} ({mine!r} here, {theirs!r} there)" for k, (mine, theirs) in differs.items())
+                    + ", ".join(f"{k} ({_setting(mine)} here, {them!r} there)" for k, (mine, them) in differs.items())
                     + (f". {paper.note[0].upper()}{paper.note[1:]}" if paper.note else "")
                 )
             rows.append(
