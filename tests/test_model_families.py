@@ -1,0 +1,131 @@
+"""The model families beyond Qwen3 / Qwen2 / Llama whose layers are all plain full attention (issue 27, first step).
+
+``mistral`` (plain GQA, no window), ``qwen3_moe`` (Qwen3 attention, a mixture-of-experts MLP), ``phi3`` (fused QKV
+projection, partial RoPE) and ``smollm3`` (NoPE layers: no rotary embedding, positions recorded as usual), each as a
+tiny random model (fp32, initializer_range 0.3, no downloads). What must hold on each:
+
+* ``policy=full``, greedy: the same tokens as transformers' own ``generate`` with its own cache, for rows of prompts
+  of different lengths and output caps under continuous batching (rows released and admitted mid-run), 64+ tokens;
+* eviction equals masking (the proof of tests/test_engine.py), and eviction policies run end to end
+  (tests/test_policies_e2e.py's checks);
+* an architecture with sliding-window, sink or linear-attention layers is still refused in one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from tests.test_continuous import decode_all, prompts
+from tests.test_engine import check_eviction_equals_masking
+from tests.test_policies_e2e import run_and_check
+from vase.engine import Request, SamplingConfig
+from vase.engine.policy import FullCache
+from vase.models import SUPPORTED_ARCHITECTURES, check_architecture, tiny_config, tiny_model
+
+FAMILIES = ["mistral", "qwen3_moe", "phi3", "smollm3"]
+MODEL = dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)  # GQA 2:1
+POLICIES = ["vase_dkv", "snapkv"]
+
+
+def test_tiny_configs_are_all_full_attention_and_keep_each_family_s_feature():
+    for arch in FAMILIES:
+        cfg = tiny_config(arch)
+        check_architecture(cfg)
+        assert getattr(cfg, "sliding_window", None) is None, arch
+        assert set(getattr(cfg, "layer_types", None) or ["full_attention"]) == {"full_attention"}, arch
+    moe = tiny_config("qwen3_moe")
+    assert moe.num_experts == 4 and moe.decoder_sparse_step == 1 and moe.mlp_only_layers == []  # every layer MoE
+    assert type(tiny_model("qwen3_moe").model.layers[0].mlp).__name__ == "Qwen3MoeSparseMoeBlock"
+    phi = tiny_model("phi3")
+    assert hasattr(phi.model.layers[0].self_attn, "qkv_proj")  # fused QKV
+    assert phi.model.rotary_emb.inv_freq.numel() * 2 < phi.config.hidden_size // phi.config.num_attention_heads
+    smol = tiny_config("smollm3")
+    assert smol.no_rope_layers == [1, 0]  # layer 1 is NoPE
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_full_cache_greedy_equals_transformers_generate_under_continuous_batching(arch):
+    """Five prompts (8 to 33 tokens) with output caps of 64 to 96 tokens through 2 rows: rows end at different steps
+    and the next prompts take their slots mid-run; each sample's tokens equal transformers' generate of it alone."""
+    model = tiny_model(arch, **MODEL)
+    caps = [64, 90, 70, 96, 66]
+    reqs = [Request(p, [0], key=i, max_new_tokens=caps[i]) for i, p in enumerate(prompts((11, 27, 19, 33, 8)))]
+    _, done = decode_all(model, FullCache(), reqs, rows=2, max_new=max(caps), sampling=SamplingConfig(temperature=0))
+    assert len(done) == len(reqs)
+    assert len({f.stats["first_step"] for f in done.values()}) > 2, "prompts should be admitted at different steps"
+    for r in reqs:
+        f = done[(r.key, 0)]
+        assert len(f.tokens) == r.max_new_tokens
+        ids = r.prompt_ids.view(1, -1)  # an explicit mask: a prompt token equal to pad_token_id is still attended
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=r.max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        want = gen[0, ids.shape[1] :]
+        assert f.tokens == want.tolist(), (arch, r.key)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_eviction_equals_masking(arch, name, tmp_path):
+    """tests/test_engine.py's proof on every family: each step's logits equal the unmodified model's over the whole
+    sequence with a per-(layer, KV head) mask hiding exactly what was evicted before that step."""
+    model = tiny_model(arch, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    check_eviction_equals_masking(model, name, tmp_path)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_eviction_policy_runs_end_to_end(arch, name, tmp_path):
+    model = tiny_model(arch, **MODEL)
+    prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert run_and_check(model, prompt, name, budget=32, window=8, new_tokens=64, tmp_path=tmp_path) is not None
+
+
+def test_unsupported_architectures_are_refused_in_one_line():
+    for arch in ("gpt_oss", "qwen3_next"):
+        with pytest.raises(ValueError, match=f"architecture '{arch}' is not supported") as err:
+            check_architecture(AutoConfig.for_model(arch))
+        msg = str(err.value)
+        assert "\n" not in msg and all(a in msg for a in SUPPORTED_ARCHITECTURES), msg
+    with pytest.raises(ValueError, match="unknown tiny architecture 'gpt_oss'"):
+        tiny_config("gpt_oss")
+
+
+@pytest.mark.parametrize(
+    "arch,fields,match",
+    [
+        ("mistral", {"sliding_window": 64}, "sliding_window=64: sliding-window attention layers are not supported"),
+        ("phi3", {"sliding_window": 64}, "sliding_window=64"),
+        ("smollm3", {"use_sliding_window": True, "sliding_window": 64}, "sliding_window=64"),
+        ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 64}, "sliding_window=64"),
+        (
+            "phi3",
+            {
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "rope_theta": 1e4,
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [2.0] * 8,
+                    "original_max_position_embeddings": 256,
+                }
+            },
+            "rope_type 'longrope'",
+        ),
+    ],
+)
+def test_a_supported_family_with_windowed_layers_or_batch_dependent_rope_is_refused(arch, fields, match):
+    """Sliding-window layers are not supported yet; longrope / dynamic RoPE switch frequencies on the batch's longest
+    position, so a row would depend on its batch-mates. Refused before anything runs, in one line."""
+    cfg = tiny_config(arch, **fields)
+    with pytest.raises(ValueError, match=match) as err:
+        check_architecture(cfg)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=match):  # tiny_model checks the config before building the model
+        tiny_model(arch, **fields)
