@@ -129,3 +129,19 @@ def test_a_supported_family_with_windowed_layers_or_batch_dependent_rope_is_refu
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match=match):  # tiny_model checks the config before building the model
         tiny_model(arch, **fields)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_tiny_preset_loads_the_family(arch):
+    """``model=tiny_<family>`` (conf/model/tiny_<family>.yaml) composes, passes the preflight's config check and loads
+    a model of the family with the Qwen3 tokenizer's vocabulary."""
+    from hydra.utils import instantiate
+
+    from tests.conftest import compose
+    from vase.run.preflight import model_config
+
+    spec = instantiate(compose([f"model=tiny_{arch}"]).model)
+    assert spec.key == f"tiny_{arch}" and spec.name == f"tiny:{arch}"
+    assert model_config(spec).model_type == arch
+    model, tokenizer = spec.load()
+    assert model.config.model_type == arch and model.config.vocab_size == len(tokenizer)
