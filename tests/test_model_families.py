@@ -8,6 +8,7 @@ tiny random model (fp32, initializer_range 0.3, no downloads). What must hold on
   of different lengths and output caps under continuous batching (rows released and admitted mid-run), 64+ tokens;
 * eviction equals masking (the proof of tests/test_engine.py), and eviction policies run end to end
   (tests/test_policies_e2e.py's checks);
+* the ``model=tiny_<family>`` preset loads and a short offline run through the runner finishes;
 * an architecture with sliding-window, sink or linear-attention layers is still refused in one line.
 """
 
@@ -145,3 +146,17 @@ def test_tiny_preset_loads_the_family(arch):
     assert model_config(spec).model_type == arch
     model, tokenizer = spec.load()
     assert model.config.model_type == arch and model.config.vocab_size == len(tokenizer)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_short_offline_run_per_family(arch, tmp_path):
+    """``python run.py model=tiny_<family> policy=vase_dkv`` on one gsm_symbolic problem, two samples: it finishes,
+    evicts and records the family's model."""
+    from tests.conftest import TINY_RUN, compose
+    from vase.run.runner import run
+
+    overrides = [o for o in TINY_RUN if not o.startswith("model=")]
+    cfg = compose([*overrides, f"model=tiny_{arch}", "policy=vase_dkv", "limit=1", f"results_dir={tmp_path}"])
+    metrics = run(cfg, progress=False)
+    assert metrics["complete"] and metrics["samples"] == 2 and metrics["evictions"] > 0
+    assert f"tiny_{arch}" in metrics["run_dir"]
