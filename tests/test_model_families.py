@@ -160,3 +160,17 @@ def test_a_short_offline_run_per_family(arch, tmp_path):
     metrics = run(cfg, progress=False)
     assert metrics["complete"] and metrics["samples"] == 2 and metrics["evictions"] > 0
     assert f"tiny_{arch}" in metrics["run_dir"]
+
+
+@pytest.mark.parametrize("name", ["triattention", "seer_attention_r"])
+@pytest.mark.parametrize("arch,why", [("phi3", "partial_rotary_factor"), ("smollm3", "NoPE layers")])
+def test_policies_that_undo_rope_refuse_partial_rope_and_nope(arch, why, name, tmp_path):
+    """TriAttention and SeerAttention-R model RoPE over the whole head dim of every layer: on a model with partial
+    RoPE (Phi-4-mini) or NoPE layers (SmolLM3) they refuse in one line instead of scoring with the wrong rotation."""
+    from tests.policy_configs import load_small
+
+    model = tiny_model(arch, **MODEL)
+    with pytest.raises(ValueError, match=f"{why}.*not supported yet") as err:
+        policy = load_small(name, 32, 8, model, tmp_path)
+        policy.setup(model.config)
+    assert "\n" not in str(err.value)
