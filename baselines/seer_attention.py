@@ -46,8 +46,8 @@ from typing import ClassVar
 import torch
 
 from baselines.seer_gates import CONFIG_FILE, GATE_REVISIONS, GATES, Gates, fetch_gates, load_gates
+from vase.engine.geometry import partial_rope
 from vase.engine.policy import SelectionInputs, SelectionPolicy, _check
-from vase.models import partial_rope
 
 BLOCK_POSITIONS = ("last", "first")
 RMS_EPS = 1e-6  # the gate's RMSNorm eps (AttnGate: RMSNorm(gate_hidden, eps=1e-06))

@@ -44,9 +44,9 @@ from typing import ClassVar
 import torch
 
 from vase.engine.attention import vase_attention
+from vase.engine.geometry import partial_rope
 from vase.engine.policy import EvictionInputs, EvictionPolicy, _check
 from vase.engine.scores import topk_with_protection
-from vase.models import partial_rope
 
 logger = logging.getLogger(__name__)
 
