@@ -46,6 +46,7 @@ from typing import ClassVar
 import torch
 
 from baselines.seer_gates import CONFIG_FILE, GATE_REVISIONS, GATES, Gates, fetch_gates, load_gates
+from vase.engine.geometry import partial_rope
 from vase.engine.policy import SelectionInputs, SelectionPolicy, _check
 
 BLOCK_POSITIONS = ("last", "first")
@@ -184,6 +185,12 @@ class SeerAttentionR(SelectionPolicy):
 
     def setup(self, model_config) -> None:
         """Load the gates (once) and refuse a model they were not trained for (one line)."""
+        partial = partial_rope(model_config)
+        _check(
+            partial is None,
+            "policy seer_attention_r",
+            f"undoes RoPE over the whole head dim of every layer; {partial}: not supported yet",
+        )
         if self._gates is None:
             self._gates = self._load(getattr(model_config, "_name_or_path", None))
         gates, cfg = self._gates, self._gates.config

@@ -44,6 +44,7 @@ from typing import ClassVar
 import torch
 
 from vase.engine.attention import vase_attention
+from vase.engine.geometry import partial_rope
 from vase.engine.policy import EvictionInputs, EvictionPolicy, _check
 from vase.engine.scores import topk_with_protection
 
@@ -142,6 +143,16 @@ class _QueryStats:
         self.abs[layer] = z.abs().mean(dim=1)
 
 
+def _check_rope(model_config) -> None:
+    """TriAttention models RoPE over the whole head dim of every layer: refuse partial RoPE and NoPE (one line)."""
+    partial = partial_rope(model_config)
+    _check(
+        partial is None,
+        "policy.triattention",
+        f"assumes RoPE over the whole head dim of every layer; {partial}: not supported yet",
+    )
+
+
 @dataclass
 class TriAttention(EvictionPolicy):
     """TriAttention; fields as in the module docstring.
@@ -212,6 +223,7 @@ class TriAttention(EvictionPolicy):
         Returns ``{"q_mean": (L, Hq, F, 2) float32, "q_abs": (L, Hq, F), "inv_freq": (F,), "attention_scaling",
         "tokens"}`` (what :meth:`load_calibration` takes and the runner saves).
         """
+        _check_rope(model.config)
         ids = input_ids.reshape(1, -1)[:, : self.calibration_tokens].to(next(model.parameters()).device)
         t = ids.shape[1]
         rotary = model.model.rotary_emb
@@ -252,6 +264,7 @@ class TriAttention(EvictionPolicy):
         heads = model_config.num_attention_heads
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
         want = (model_config.num_hidden_layers, heads, head_dim // 2)
+        _check_rope(model_config)
         _check(
             self.calibrated,
             "policy.triattention",

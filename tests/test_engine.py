@@ -87,7 +87,14 @@ AttentionMaskInterface.register("vase_test_masked", lambda *a, **k: None)
 def test_eviction_equals_masking(arch, name, tmp_path):
     """After several evictions, every step's logits equal the unmodified model on the whole sequence with a
     per-(layer, KV head) mask that hides exactly the entries evicted before that step."""
-    model = tiny_model(arch, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    check_eviction_equals_masking(
+        tiny_model(arch, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3), name, tmp_path
+    )
+
+
+def check_eviction_equals_masking(model, name, tmp_path):
+    """The proof of :func:`test_eviction_equals_masking` on ``model`` with policy config ``name`` (reused by
+    tests/test_model_families.py for every family)."""
     prompt = _prompt(20)
     rows, window, budget, new = 2, 8, 32, 70
     policy = load_small(name, budget, window, model, tmp_path)
@@ -320,7 +327,8 @@ def test_unsupported_architecture():
     )
     model = MistralForCausalLM(cfg).eval()
     model.register_forward_pre_hook(lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
-    with pytest.raises(ValueError, match="architecture 'mistral' is not supported"):
+    # MistralConfig's default 4096-token window: refused before anything runs (a null window is supported)
+    with pytest.raises(ValueError, match="sliding_window=4096: sliding-window attention layers are not supported"):
         generate(model, _prompt(8, vocab=64), FullCache(), max_new_tokens=4)
 
 

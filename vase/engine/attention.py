@@ -300,6 +300,12 @@ def vase_attention_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    unsupported = [k for k in ("sliding_window", "s_aux", "sinks") if kwargs.get(k) is not None]
+    if unsupported:  # vase.models.check_architecture refuses such configs first; this guards a model that slips by
+        raise ValueError(
+            f"model: layer {module.layer_idx} passes {unsupported[0]}= to the attention: sliding-window and "
+            "attention-sink layers are not supported by the vase engine yet"
+        )
     layer = cache.layers[module.layer_idx]
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer.record_queries(query)

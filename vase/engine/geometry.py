@@ -112,3 +112,17 @@ def model_geometry(model, rows: int, capacity: int, prompt_len: int = 0) -> Cach
         device=param.device,
         prompt_len=prompt_len,
     )
+
+
+def partial_rope(config) -> str | None:
+    """Why RoPE does not rotate the whole head dim of every layer (``None`` when it does): NoPE layers (SmolLM3's
+    ``no_rope_layers``) or a ``partial_rotary_factor`` below 1 (Phi-4-mini). For the policies that undo or model RoPE
+    over the full head dim (TriAttention, SeerAttention-R), which refuse such a model for now."""
+    nope = [i for i, rope in enumerate(getattr(config, "no_rope_layers", None) or ()) if not rope]
+    if nope:
+        return f"NoPE layers (no rotary embedding): {', '.join(map(str, nope))}"
+    rope = getattr(config, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    if factor is not None and float(factor) < 1.0:
+        return f"RoPE rotates {factor:g} of the head dim (partial_rotary_factor)"
+    return None

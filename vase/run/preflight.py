@@ -237,8 +237,8 @@ def _tiny_config(spec: Any) -> Any:
     try:
         config = tiny_config(arch, **fields)
         check_architecture(config)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        with torch.device("meta"):  # bf16: a MoE's grouped_mm experts run on meta in bf16 only (and eager's not at all)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
             model(input_ids=torch.zeros(1, 4, dtype=torch.long))
     except Exception as err:  # the fields do not make a working model
         shown = ", ".join(f"model.tiny.{k}={v}" for k, v in fields.items()) or "the defaults"

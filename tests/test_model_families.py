@@ -1,0 +1,187 @@
+"""The model families beyond Qwen3 / Qwen2 / Llama whose layers are all plain full attention (issue 27, first step).
+
+``mistral`` (plain GQA, no window), ``qwen3_moe`` (Qwen3 attention, a mixture-of-experts MLP), ``phi3`` (fused QKV
+projection, partial RoPE) and ``smollm3`` (NoPE layers: no rotary embedding, positions recorded as usual), each as a
+tiny random model (fp32, initializer_range 0.3, no downloads). What must hold on each:
+
+* ``policy=full``, greedy: the same tokens as transformers' own ``generate`` with its own cache, for rows of prompts
+  of different lengths and output caps under continuous batching (rows released and admitted mid-run), 64+ tokens;
+* eviction equals masking (the proof of tests/test_engine.py), and eviction policies run end to end
+  (tests/test_policies_e2e.py's checks);
+* the ``model=tiny_<family>`` preset loads and a short offline run through the runner finishes;
+* an architecture with sliding-window, sink or linear-attention layers is still refused in one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from tests.policy_configs import ALL_CONFIGS
+from tests.test_continuous import decode_all, prompts
+from tests.test_engine import check_eviction_equals_masking
+from tests.test_policies_e2e import run_and_check
+from vase.engine import Request, SamplingConfig
+from vase.engine.geometry import partial_rope
+from vase.engine.policy import FullCache
+from vase.models import SUPPORTED_ARCHITECTURES, check_architecture, tiny_config, tiny_model
+
+FAMILIES = ["mistral", "qwen3_moe", "phi3", "smollm3"]
+MODEL = dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)  # GQA 2:1
+POLICIES = ["vase_dkv", "snapkv"]
+
+
+def test_tiny_configs_are_all_full_attention_and_keep_each_family_s_feature():
+    for arch in FAMILIES:
+        cfg = tiny_config(arch)
+        check_architecture(cfg)
+        assert getattr(cfg, "sliding_window", None) is None, arch
+        assert set(getattr(cfg, "layer_types", None) or ["full_attention"]) == {"full_attention"}, arch
+    moe = tiny_config("qwen3_moe")
+    assert moe.num_experts == 4 and moe.decoder_sparse_step == 1 and moe.mlp_only_layers == []  # every layer MoE
+    assert type(tiny_model("qwen3_moe").model.layers[0].mlp).__name__ == "Qwen3MoeSparseMoeBlock"
+    phi = tiny_model("phi3")
+    assert hasattr(phi.model.layers[0].self_attn, "qkv_proj")  # fused QKV
+    assert phi.model.rotary_emb.inv_freq.numel() * 2 < phi.config.hidden_size // phi.config.num_attention_heads
+    smol = tiny_config("smollm3")
+    assert smol.no_rope_layers == [1, 0]  # layer 1 is NoPE
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_full_cache_greedy_equals_transformers_generate_under_continuous_batching(arch):
+    """Four prompts (8 to 27 tokens) with output caps of 64 to 80 tokens through 2 rows: rows end at different steps
+    and the next prompts take their slots mid-run; each sample's tokens equal transformers' generate of it alone."""
+    model = tiny_model(arch, **MODEL)
+    caps = [64, 80, 70, 66]
+    reqs = [Request(p, [0], key=i, max_new_tokens=caps[i]) for i, p in enumerate(prompts((11, 27, 19, 8)))]
+    _, done = decode_all(model, FullCache(), reqs, rows=2, max_new=max(caps), sampling=SamplingConfig(temperature=0))
+    assert len(done) == len(reqs)
+    assert len({f.stats["first_step"] for f in done.values()}) > 2, "prompts should be admitted at different steps"
+    for r in reqs:
+        f = done[(r.key, 0)]
+        assert len(f.tokens) == r.max_new_tokens
+        ids = r.prompt_ids.view(1, -1)  # an explicit mask: a prompt token equal to pad_token_id is still attended
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=r.max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        want = gen[0, ids.shape[1] :]
+        assert f.tokens == want.tolist(), (arch, r.key)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_eviction_equals_masking(arch, name, tmp_path):
+    """tests/test_engine.py's proof on every family: each step's logits equal the unmodified model's over the whole
+    sequence with a per-(layer, KV head) mask hiding exactly what was evicted before that step."""
+    model = tiny_model(arch, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    check_eviction_equals_masking(model, name, tmp_path)
+
+
+#: policies that model RoPE over the whole head dim: refused on partial RoPE / NoPE (the test below)
+ROPE_POLICIES = {"triattention", "seer_attention_r"}
+#: every policy config end to end: VaSE-DKV and SnapKV by default, the rest with ``make test-slow``
+E2E = [n if n in POLICIES else pytest.param(n, marks=pytest.mark.slow) for n in ALL_CONFIGS]
+
+
+@pytest.mark.parametrize("name", E2E)
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_policy_runs_end_to_end(arch, name, tmp_path):
+    """tests/test_policies_e2e.py's checks (evicts, sinks kept, capacity as planned; selection attends to fewer)."""
+    model = tiny_model(arch, **MODEL)
+    if name in ROPE_POLICIES and partial_rope(model.config) is not None:
+        pytest.skip(f"{name} refuses {arch} (test_policies_that_undo_rope_refuse_partial_rope_and_nope)")
+    prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert run_and_check(model, prompt, name, budget=32, window=8, new_tokens=64, tmp_path=tmp_path) is not None
+
+
+def test_unsupported_architectures_are_refused_in_one_line():
+    for arch in ("gpt_oss", "qwen3_next"):
+        with pytest.raises(ValueError, match=f"architecture '{arch}' is not supported") as err:
+            check_architecture(AutoConfig.for_model(arch))
+        msg = str(err.value)
+        assert "\n" not in msg and all(a in msg for a in SUPPORTED_ARCHITECTURES), msg
+    with pytest.raises(ValueError, match="unknown tiny architecture 'gpt_oss'"):
+        tiny_config("gpt_oss")
+
+
+@pytest.mark.parametrize(
+    "arch,fields,match",
+    [
+        ("mistral", {"sliding_window": 64}, "sliding_window=64: sliding-window attention layers are not supported"),
+        ("phi3", {"sliding_window": 64}, "sliding_window=64"),
+        ("smollm3", {"use_sliding_window": True, "sliding_window": 64}, "sliding_window=64"),
+        ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 64}, "sliding_window=64"),
+        (
+            "phi3",
+            {
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "rope_theta": 1e4,
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [2.0] * 8,
+                    "original_max_position_embeddings": 256,
+                }
+            },
+            "rope_type 'longrope'",
+        ),
+    ],
+)
+def test_a_supported_family_with_windowed_layers_or_batch_dependent_rope_is_refused(arch, fields, match):
+    """Sliding-window layers are not supported yet; longrope / dynamic RoPE switch frequencies on the batch's longest
+    position, so a row would depend on its batch-mates. Refused before anything runs, in one line."""
+    cfg = tiny_config(arch, **fields)
+    with pytest.raises(ValueError, match=match) as err:
+        check_architecture(cfg)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=match):  # tiny_model checks the config before building the model
+        tiny_model(arch, **fields)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_tiny_preset_loads_the_family(arch):
+    """``model=tiny_<family>`` (conf/model/tiny_<family>.yaml) composes, passes the preflight's config check and loads
+    a model of the family with the Qwen3 tokenizer's vocabulary."""
+    from hydra.utils import instantiate
+
+    from tests.conftest import compose
+    from vase.run.preflight import model_config
+
+    spec = instantiate(compose([f"model=tiny_{arch}"]).model)
+    assert spec.key == f"tiny_{arch}" and spec.name == f"tiny:{arch}"
+    assert model_config(spec).model_type == arch
+    model, tokenizer = spec.load()
+    assert model.config.model_type == arch and model.config.vocab_size == len(tokenizer)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_short_offline_run_per_family(arch, tmp_path):
+    """``python run.py model=tiny_<family> policy=vase_dkv`` on one gsm_symbolic problem, two samples: it finishes,
+    evicts and records the family's model."""
+    from tests.conftest import TINY_RUN, compose
+    from vase.run.runner import run
+
+    overrides = [o for o in TINY_RUN if not o.startswith("model=")]
+    cfg = compose([*overrides, f"model=tiny_{arch}", "policy=vase_dkv", "limit=1", f"results_dir={tmp_path}"])
+    metrics = run(cfg, progress=False)
+    assert metrics["complete"] and metrics["samples"] == 2 and metrics["evictions"] > 0
+    assert f"tiny_{arch}" in metrics["run_dir"]
+
+
+@pytest.mark.parametrize("name", ["triattention", "seer_attention_r"])
+@pytest.mark.parametrize("arch,why", [("phi3", "partial_rotary_factor"), ("smollm3", "NoPE layers")])
+def test_policies_that_undo_rope_refuse_partial_rope_and_nope(arch, why, name, tmp_path):
+    """TriAttention and SeerAttention-R model RoPE over the whole head dim of every layer: on a model with partial
+    RoPE (Phi-4-mini) or NoPE layers (SmolLM3) they refuse in one line instead of scoring with the wrong rotation."""
+    from tests.policy_configs import load_small
+
+    model = tiny_model(arch, **MODEL)
+    with pytest.raises(ValueError, match=f"{why}.*not supported yet") as err:
+        policy = load_small(name, 32, 8, model, tmp_path)
+        policy.setup(model.config)
+    assert "\n" not in str(err.value)
