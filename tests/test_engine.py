@@ -348,16 +348,3 @@ def test_model_attention_restored_after_generation():
         a = model(input_ids=_prompt(8).view(1, -1)).logits
     b = model(input_ids=_prompt(8).view(1, -1)).logits
     assert torch.allclose(a, b, atol=1e-6)
-
-
-def test_take_tokens_equals_gather():
-    from vase.engine.evict import flat_index as _flat_index
-    from vase.engine.evict import take_tokens as _take_tokens
-
-    g = torch.Generator().manual_seed(0)
-    buf = torch.randn(3, 2, 11, 4, generator=g)
-    idx = torch.stack([torch.stack([torch.randperm(9, generator=g)[:5] for _ in range(2)]) for _ in range(3)])
-    want = buf.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, 4))
-    assert torch.equal(_take_tokens(buf, _flat_index(idx, 11), 5), want)
-    pos = torch.arange(3 * 2 * 11).view(3, 2, 11)
-    assert torch.equal(pos.reshape(-1).index_select(0, _flat_index(idx, 11)).view(3, 2, 5), pos.gather(2, idx))

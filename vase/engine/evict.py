@@ -158,24 +158,6 @@ def ring_positions(pos: torch.Tensor, last: torch.Tensor, window: int) -> tuple[
     return newest - (newest - slots) % window, (pos - last).clamp(max=window)
 
 
-def flat_index(idx: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``idx (R, H, K)`` token indices → ``(R*H*K,)`` row indices into the ``(R*H*capacity, ...)`` flattened storage."""
-    r, h, _ = idx.shape
-    base = torch.arange(0, r * h * capacity, capacity, device=idx.device).view(r, h, 1)
-    return (idx + base).reshape(-1)
-
-
-def take_tokens(buf: torch.Tensor, flat: torch.Tensor, k: int) -> torch.Tensor:
-    """``buf (R, H, capacity, D)`` (contiguous) → the ``(R, H, k, D)`` tokens at ``flat`` (see :func:`flat_index`).
-
-    Equal to ``buf.gather(2, idx[..., None].expand(..., D))``; copying whole ``D``-vectors with ``index_select`` is
-    ~13x faster than an element-wise gather on CPU (16 rows x 2 heads x 2K tokens: 1.8 ms instead of 23 ms). The
-    eviction event gathers this way from the whole stacked storage.
-    """
-    r, h, c, d = buf.shape
-    return buf.reshape(r * h * c, d).index_select(0, flat).view(r, h, k, d)
-
-
 def check_keep(idx: torch.Tensor, rows: int, heads: int, n_keep: int, n_cand: int, name: str) -> None:
     """Validate a policy's answer (debug aid; syncs with the device)."""
     if tuple(idx.shape) != (rows, heads, n_keep) or idx.dtype != torch.long:
