@@ -183,14 +183,17 @@ class SeerAttentionR(SelectionPolicy):
                 f"{GATES.get(self.model_name, 'the gates trained for your model')}"
             )
 
-    def setup(self, model_config) -> None:
-        """Load the gates (once) and refuse a model they were not trained for (one line)."""
+    def check_model(self, model_config) -> None:
+        """Refuse partial RoPE and NoPE from the model's config, in the preflight (before any file or weight)."""
         partial = partial_rope(model_config)
         _check(
             partial is None,
             "policy seer_attention_r",
             f"undoes RoPE over the whole head dim of every layer; {partial}: not supported yet",
         )
+
+    def setup(self, model_config) -> None:
+        """Load the gates (once) and refuse a model they were not trained for (one line)."""
         if self._gates is None:
             self._gates = self._load(getattr(model_config, "_name_or_path", None))
         gates, cfg = self._gates, self._gates.config

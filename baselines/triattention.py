@@ -259,12 +259,15 @@ class TriAttention(EvictionPolicy):
         """Whether centres are loaded (by :meth:`calibrate` or :meth:`load_calibration`)."""
         return getattr(self, "_q_mean", None) is not None
 
+    def check_model(self, model_config) -> None:
+        """Refuse partial RoPE and NoPE from the model's config, in the preflight (before any file or weight)."""
+        _check_rope(model_config)
+
     def setup(self, model_config) -> None:
         """Refuse to decode without centres, or with centres of another model's geometry (one line)."""
         heads = model_config.num_attention_heads
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
         want = (model_config.num_hidden_layers, heads, head_dim // 2)
-        _check_rope(model_config)
         _check(
             self.calibrated,
             "policy.triattention",

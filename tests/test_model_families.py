@@ -14,6 +14,11 @@ tiny random model (fp32, initializer_range 0.3, no downloads). What must hold on
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -26,6 +31,8 @@ from vase.engine import Request, SamplingConfig
 from vase.engine.geometry import partial_rope
 from vase.engine.policy import FullCache
 from vase.models import SUPPORTED_ARCHITECTURES, check_architecture, tiny_config, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FAMILIES = ["mistral", "qwen3_moe", "phi3", "smollm3"]
 MODEL = dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)  # GQA 2:1
@@ -177,11 +184,32 @@ def test_a_short_offline_run_per_family(arch, tmp_path):
 @pytest.mark.parametrize("arch,why", [("phi3", "partial_rotary_factor"), ("smollm3", "NoPE layers")])
 def test_policies_that_undo_rope_refuse_partial_rope_and_nope(arch, why, name, tmp_path):
     """TriAttention and SeerAttention-R model RoPE over the whole head dim of every layer: on a model with partial
-    RoPE (Phi-4-mini) or NoPE layers (SmolLM3) they refuse in one line instead of scoring with the wrong rotation."""
+    RoPE (Phi-4-mini) or NoPE layers (SmolLM3) they refuse in one line instead of scoring with the wrong rotation,
+    from the config alone (``check_model``: the preflight, before any file is written or weight loads)."""
     from tests.policy_configs import load_small
 
     model = tiny_model(arch, **MODEL)
-    with pytest.raises(ValueError, match=f"{why}.*not supported yet") as err:
+    with pytest.raises(ValueError, match=f"{why}.*not supported yet") as err:  # load_small may check it already
         policy = load_small(name, 32, 8, model, tmp_path)
-        policy.setup(model.config)
+        policy.check_model(model.config)
     assert "\n" not in str(err.value)
+
+
+def test_a_rope_refusal_writes_nothing(tmp_path):
+    """``run.py policy=triattention model=tiny_phi3``: the one-line error, exit 2, and no file under results_dir."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "run.py"),
+            "policy=triattention",
+            "model=tiny_phi3",
+            f"results_dir={tmp_path / 'r'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "error: policy.triattention:" in r.stderr and "partial_rotary_factor" in r.stderr
+    assert list(tmp_path.iterdir()) == []
