@@ -6,7 +6,8 @@ storage (the static cache's views at the whole capacity, the row masks rebuilt i
 one shape that changes is the number of rows it covers, which a compiled decoder rounds up to a power of two
 (:func:`~vase.engine.cache.row_bucket`; the padding rows are free slots whose writes are masked out and whose logits
 are dropped). So ``torch.compile(fullgraph=True, dynamic=False)`` traces it once per bucket and never again. The
-prefill, eviction and sampling stay eager (they run between forwards).
+token sampling is part of the compiled forward (its counter-based hash fuses into a few kernels); the prefill and
+the eviction stay eager (they run between forwards).
 
 On CUDA the compile mode is ``"reduce-overhead"`` (CUDA-graph capture by torch's cudagraph trees): the cache's
 buffers are marked as static addresses (:func:`mark_static`) so the captured graph reads and writes them in place;
