@@ -250,7 +250,7 @@ def test_vllm_preloads_are_found_or_named(tmp_path, monkeypatch):
     (lib / "libiomp5.so").write_bytes(b"")
     monkeypatch.setattr(bvl, "PRELOAD_LIBS", {"iomp": ("libiomp5.so",), "nosuchlib": ("libnosuchlib_xyz.so",)})
     found, missing = bvl.find_preloads(tmp_path / "venv", "auto")
-    assert found == [str(lib / "libiomp5.so")] and missing == ["nosuchlib"]
+    assert found == [str((lib / "libiomp5.so").resolve())] and missing == ["nosuchlib"]
     assert bvl.find_preloads(tmp_path / "venv", "none") == ([], [])
     assert bvl.find_preloads(tmp_path, str(lib / "libiomp5.so")) == ([str(lib / "libiomp5.so")], [])
     with pytest.raises(ValueError, match="--vllm-preload: no such library"):

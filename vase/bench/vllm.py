@@ -130,7 +130,7 @@ def find_preloads(venv: Path, spec: str) -> tuple[list[str], list[str]]:
     found, missing = [], []
     for name, files in PRELOAD_LIBS.items():
         # the vLLM venv first (intel-openmp installs there), then the linker's cache, then the usual folders
-        hits = [str(p) for f in files for p in sorted((venv / "lib").glob(f"{f}*"))]
+        hits = [str(p.resolve()) for f in files for p in sorted((venv / "lib").glob(f"{f}*"))]
         hits += [path for lib, path in known for f in files if lib.split()[0].startswith(f)]
         hits += [str(p) for root in system for f in files for p in sorted(root.glob(f"{f}*"))]
         if hits:
