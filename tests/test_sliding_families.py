@@ -253,7 +253,10 @@ def test_kv_bytes_per_layer_type():
         sliding_window=16,
     )
     per_token_layer = 2 * 2 * 16 * 2
-    assert g.kv_bytes_by_type == {"full_attention": 2 * 100 * per_token_layer, "sliding_attention": 2 * 16 * per_token_layer}
+    assert g.kv_bytes_by_type == {
+        "full_attention": 2 * 100 * per_token_layer,
+        "sliding_attention": 2 * 16 * per_token_layer,
+    }
     assert g.kv_bytes_per_row == sum(g.kv_bytes_by_type.values()) and g.kv_bytes == 3 * g.kv_bytes_per_row
     assert g.bytes_per_token == 2 * per_token_layer  # a held token of the full layers
     held = g.held_bytes_by_type(40, 300)
