@@ -343,8 +343,9 @@ def test_unsupported_architecture():
     )
     model = MistralForCausalLM(cfg).eval()
     model.register_forward_pre_hook(lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
-    # MistralConfig's default 4096-token window: refused before anything runs (a null window is supported)
-    with pytest.raises(ValueError, match="sliding_window=4096: sliding-window attention layers are not supported"):
+    # MistralConfig's default 4096-token window on every layer: refused before anything runs (no full-attention
+    # layer for a budget; a null window, or layer_types mixing full and sliding layers, is supported)
+    with pytest.raises(ValueError, match="every layer of this mistral config is sliding-window .sliding_window=4096"):
         generate(model, _prompt(8, vocab=64), FullCache(), max_new_tokens=4)
 
 

@@ -81,13 +81,13 @@ def test_packed_sdpa_decode_with_sinks_equals_the_eager_reference():
 @pytest.mark.parametrize("window", [None, 7], ids=["full", "sliding7"])
 def test_prefill_with_sinks_equals_the_eager_reference(window, monkeypatch):
     """A causal prompt of 29 tokens, GQA 8:1, with and without a sliding window; the sink correction in chunks."""
-    import vase.engine.attention as attention
+    import vase.engine.sinks as sinks_module
 
     q, k, v, sinks = _qkv(1, 16, 2, 29, 29)
     scale = 16**-0.5
     want = eager_attention(q, k, v, scale, causal=True, sinks=sinks, window=window)
     assert (prefill_attention(q, k, v, scale, window, sinks) - want).abs().max() < 1e-5
-    monkeypatch.setattr(attention, "SINK_CHUNK_ELEMENTS", 16 * 29 * 3)  # chunks of 3 queries
+    monkeypatch.setattr(sinks_module, "SINK_CHUNK_ELEMENTS", 16 * 29 * 3)  # chunks of 3 queries
     assert (prefill_attention(q, k, v, scale, window, sinks) - want).abs().max() < 1e-5
     if window is not None:  # the window matters
         assert (want - eager_attention(q, k, v, scale, causal=True, sinks=sinks)).abs().max() > 1e-2
@@ -263,3 +263,67 @@ def test_kv_bytes_per_layer_type():
     assert held == {"full_attention": 2 * 40 * 128, "sliding_attention": 2 * 16 * 128}
     with pytest.raises(ValueError, match="sliding_window"):
         CacheGeometry(4, 2, 8, 16, 1, 10, torch.float32, torch.device("cpu"), layer_types=("sliding_attention",) * 4)
+
+
+def test_sample_rows_account_every_layer_type():
+    """A sample's line: K/V bytes per layer type (the ring holds its window) and the whole model's compression ratio
+    next to the full-attention layers' own; without sliding layers both ratios are tokens / held."""
+    from types import SimpleNamespace
+
+    from vase.run.records import ring_tokens, sample_row
+
+    g = CacheGeometry(
+        4, 2, 8, 16, 1, 100, torch.bfloat16, torch.device("cpu"), 0, ("sliding_attention", "full_attention") * 2, 16
+    )
+    per_layer = g.bytes_per_token_of_layer
+    stats = {"held_tokens": 40.0, "held_tokens_max": 48, "decode_steps": 199}
+    fin = SimpleNamespace(finish_reason="length", prompt_len=10, tokens=[1] * 200, stats=stats, sample=0, seed=1)
+    kw = dict(thinking=False, budget=40, window=8, evicts=True, max_length=400)
+    row = sample_row(SimpleNamespace(id="p", meta={}), fin, "x", None, bytes_per_token=2 * per_layer, geometry=g, **kw)
+    held = row["held_tokens_end"]
+    assert row["kv_held_bytes_end_by_type"] == {
+        "full_attention": 2 * held * per_layer,
+        "sliding_attention": 2 * 16 * per_layer,
+    }
+    assert row["kv_full_bytes_end"] == 4 * 210 * per_layer
+    assert row["compression_ratio"] == pytest.approx(4 * 210 / (2 * held + 2 * 16))
+    assert row["compression_ratio_full_layers"] == pytest.approx(210 / held)  # the ring (16) holds less than held
+    mean, peak = ring_tokens(10, 199, 16)
+    assert peak == 16 and mean == pytest.approx(sum(min(10 + t, 16) for t in range(1, 200)) / 199)
+    assert row["kv_retained_bytes_mean"] == pytest.approx(40 * 2 * per_layer + mean * 2 * per_layer)
+    plain = sample_row(SimpleNamespace(id="p", meta={}), fin, "x", None, bytes_per_token=100, **kw)
+    assert plain["compression_ratio"] == pytest.approx(plain["compression_ratio_full_layers"])
+
+
+@pytest.mark.parametrize("arch", SLIDING)
+def test_tiny_preset_loads_and_a_short_offline_run_per_family(arch, tmp_path):
+    """``model=tiny_<family>`` composes and loads; ``run.py model=tiny_<family> policy=vase_dkv`` finishes, evicts
+    and records the layer types and the bytes per type in the manifest and the metrics."""
+    import json
+
+    from tests.test_model_families import test_a_short_offline_run_per_family as short_run
+    from tests.test_model_families import test_tiny_preset_loads_the_family as preset_loads
+
+    preset_loads(arch)
+    short_run(arch, tmp_path)
+    run_dir = next(p.parent for p in tmp_path.rglob("manifest.json"))
+    engine = json.loads((run_dir / "manifest.json").read_text())["engine"]
+    assert engine["layer_types"] == {"sliding_attention": 1, "full_attention": 1} and engine["sliding_window"] == 16
+    assert set(engine["kv_allocated_bytes_by_type"]) == {"full_attention", "sliding_attention"}
+    assert sum(engine["kv_allocated_bytes_by_type"].values()) == engine["kv_allocated_bytes"]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert set(metrics["kv_held_bytes_mean_by_type"]) == {"full_attention", "sliding_attention"}
+    assert metrics["compression_ratio"] > 1 and metrics["compression_ratio_full_layers"] > 1
+
+
+@pytest.mark.parametrize(
+    "preset,hub", [("gpt_oss_20b", "openai/gpt-oss-20b"), ("olmo3_7b_think", "allenai/Olmo-3-7B-Think")]
+)
+def test_hub_presets(preset, hub):
+    """The presets compose to a ModelSpec of the hub id, revision ``main`` (resolved and recorded at run time)."""
+    from hydra.utils import instantiate
+
+    from tests.conftest import compose
+
+    spec = instantiate(compose([f"model={preset}"]).model)
+    assert spec.key == preset and spec.name == hub and spec.revision == "main" and spec.thinking

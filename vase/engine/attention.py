@@ -21,7 +21,16 @@ With a :class:`~vase.engine.cache.VaseCache` passed as the ``vase_cache`` keywor
    * ``eager`` (explicit float32 softmax), kept as a reference for tests.
 
 Causality: the prefill (one prompt, batch 1) is causal; a decode step attends to every held token of its row (they
-are all in its past).
+are all in its past). A sliding-window layer (``sliding_window=`` from the model) attends over the window: the
+prefill with a band mask, a decode step over its ring's valid slots (:mod:`vase.engine.layer`).
+
+Attention sinks (gpt-oss's ``s_aux=``: one learned logit per query head added to every softmax's denominator): the
+eager reference appends it to the softmax; SDPA runs its fused kernel unchanged and rescales the output by
+``sigmoid(logsumexp - sink)`` (:func:`decode_sink_factor`, :func:`prefill_sink_factor`), exact, with static shapes;
+FlashAttention-2 takes no sinks: ``auto`` falls back to SDPA (:func:`backend_choice`), ``flash_attn`` is refused.
+
+Long module: every attention path the engine registers (SDPA, FlashAttention-2, the eager reference; full and
+sliding-window layers, sinks) with its masks, and the kernel probe the manifest records, are read together.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from vase.engine.sinks import decode_sink_factor, prefill_sink_factor
 
 logger = logging.getLogger(__name__)
 
@@ -159,74 +170,6 @@ def eager_attention(
     else:
         probs = logits.softmax(dim=-1).to(value.dtype)
     return torch.matmul(probs, v)
-
-
-#: the sink correction's logits are computed in chunks of at most this many elements (prefill: queries x keys)
-SINK_CHUNK_ELEMENTS = 1 << 24
-
-
-def _sink_scale(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """``sigmoid(lse - sink)``: the share of the softmax mass a sink logit leaves to the real keys."""
-    return torch.sigmoid(lse - sinks.float())
-
-
-def decode_sink_factor(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, bias: torch.Tensor | None, sinks: torch.Tensor
-) -> torch.Tensor:
-    """A decode step's sink correction (see :func:`prefill_sink_factor` for the idea).
-
-    Args:
-        query: ``(n, H, G, D)`` (packed as :func:`decode_attention` packs it); key: ``(n, H, L, D)``.
-        bias: additive mask broadcastable to ``(n, H, G, L)`` (``-inf`` hides a slot), or ``None``.
-        sinks: ``(Hq,)``, query head ``h * G + g``'s sink logit.
-
-    Returns:
-        ``(n, H, G, 1)`` float32.
-    """
-    logits = torch.matmul(query, key.transpose(2, 3)).float() * scaling
-    if bias is not None:
-        logits = logits + bias
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    return _sink_scale(lse, sinks.view(1, key.shape[1], -1, 1))
-
-
-def prefill_sink_factor(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, sinks: torch.Tensor, window: int | None = None
-) -> torch.Tensor:
-    """How much of each query's softmax mass attention sinks leave to the real keys: ``sigmoid(lse - sink)``.
-
-    With a sink logit ``s`` the softmax over the keys becomes ``exp(l_j) / (Z + exp(s))``, ``Z = sum_j exp(l_j)``:
-    the sink-free attention output times ``Z / (Z + exp(s)) = sigmoid(logsumexp(l) - s)``. So the engine runs its
-    fused SDPA kernel as without sinks and rescales the output by this factor; only the logsumexp is computed here,
-    in float32 from ``q @ k^T`` (no softmax, no ``@ V``), in chunks of queries of at most
-    :data:`SINK_CHUNK_ELEMENTS` logits (static shapes, no host sync).
-
-    Args:
-        query: ``(1, Hq, T, D)`` the prompt's queries (causal: query ``i`` is key ``L - T + i``); key ``(1, H, L, D)``.
-        sinks: ``(Hq,)``.
-        window: a sliding window (query ``i`` sees keys ``(i - window, i]``), or ``None``.
-
-    Returns:
-        ``(1, Hq, T, 1)`` float32.
-    """
-    _, hq, t, d = query.shape
-    h, length = key.shape[1], key.shape[2]
-    g = hq // h
-    q = query.view(1, h, g, t, d)
-    k = key.unsqueeze(2)  # (1, H, 1, L, D)
-    keys = torch.arange(length, device=query.device)
-    step = max(1, SINK_CHUNK_ELEMENTS // max(1, hq * length))
-    parts = []
-    for a in range(0, t, step):
-        rows = torch.arange(a, min(t, a + step), device=query.device)[:, None] + (length - t)  # absolute query index
-        hidden = keys[None, :] > rows
-        if window is not None:
-            hidden |= keys[None, :] <= rows - window
-        logits = torch.matmul(q[:, :, :, a : a + step], k.transpose(-1, -2)).float() * scaling  # (1, H, G, c, L)
-        logits = logits.masked_fill(hidden, float("-inf"))
-        parts.append(torch.logsumexp(logits, dim=-1, keepdim=True))
-    lse = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)).view(1, hq, t, 1)
-    return _sink_scale(lse, sinks.view(1, hq, 1, 1))
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

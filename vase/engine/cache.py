@@ -52,6 +52,9 @@ Policy-declared variants of the scaffold (:class:`~vase.engine.policy.EvictionPo
 * ``keep_prompt``: row ``r``'s prompt (``prompt_lens[r]`` tokens) stays in slots ``[0, P)``; the candidates are
   ``[P, held - window)``, of which the policy keeps ``budget - window - P``. Rows evict together only with the same
   held length and the same prompt length.
+
+Long module: the cache's rows, its per-step masks (full and sliding-window layers) and the eviction trigger share
+one state and are read together.
 """
 
 from __future__ import annotations
