@@ -327,3 +327,35 @@ def test_hub_presets(preset, hub):
 
     spec = instantiate(compose([f"model={preset}"]).model)
     assert spec.key == preset and spec.name == hub and spec.revision == "main" and spec.thinking
+
+
+# ---- the decode step: no host sync, static shapes ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["vase_dkv", "quest"])
+def test_no_host_sync_in_a_decode_step_on_gpt_oss(name, monkeypatch, tmp_path):
+    """tests/test_gpu_path.py's detector on gpt_oss (rings, sinks, MoE): no decode step synchronises, evicting or
+    selecting, rows of different lengths (prompts of 9 to 31 tokens, window 16) admitted and released mid-run."""
+    from tests.test_gpu_path import load_policy, run_detected
+
+    model = _model("gpt_oss", num_attention_heads=8)
+    policy = load_policy(name, model, tmp_path)
+    detector, steps, _ = run_detected(model, policy, monkeypatch)
+    assert detector.step_syncs() == {}
+    assert "tolist" in detector.syncs["between"]  # the detector was live
+    assert any(len(set(s["held"])) > 1 for s in steps.values())
+    if policy.kind == "eviction":
+        assert any(s["evicted"] for s in steps.values())
+
+
+def test_compiled_decode_on_gpt_oss_equals_eager_with_one_graph_per_bucket():
+    """tests/test_compiled.py's staggered decode on gpt_oss: the compiled step (dynamo, fullgraph) gives the eager
+    step's tokens, traces at most one graph per row bucket and its buffers (rings included) never move."""
+    from tests.test_compiled import GraphCounter, staggered
+
+    model = _model("gpt_oss")
+    _, want, _, _ = staggered(model, "vase_dkv", "off")
+    counter = GraphCounter()
+    dec, got, buckets, addresses = staggered(model, "vase_dkv", "on", backend=counter)
+    assert dec.compiled and dec.cache.bucketed and len(buckets) > 2
+    assert 1 <= len(counter.graphs) <= len(buckets), (len(counter.graphs), sorted(buckets))
+    assert all(a == addresses[0] for a in addresses), "a buffer of the compiled step moved"
+    assert {k: f.tokens for k, f in got.items()} == {k: f.tokens for k, f in want.items()}

