@@ -34,6 +34,9 @@ Definitions, identical for both engines:
 * ``peak_rss``: the process's peak resident set size, ``ru_maxrss`` of ``wait4`` on it (the same for both);
 * ``pass@1``: the harness's ``accuracy``; vLLM's samples graded by the same task code.
 
+Long module: the peer's venv (with its preloads), the work both engines are given, each engine's side and the one
+table they share belong together, so that the two sides cannot drift apart in what they measure.
+
     python scripts/bench_vllm.py --setup-venv              # once: the vLLM venv at .cache/vllm-venv
     python scripts/bench_vllm.py --rounds 2                # the full comparison (see scripts/BENCHMARKS.md)
     python scripts/bench_vllm.py --run-args "limit=2 n_samples=2" --rounds 1     # a smoke
