@@ -312,6 +312,10 @@ class VaseCache(Cache):
         p = self.policy
         if p.kind == "eviction" and p.compress_prefill and prompt_len > p.budget:
             self._evict(slots)
+        if p.kind == "selection":  # the rows' selection state from the prompt, here and not in a decode forward
+            for layer in self.layers:
+                if not layer.is_sliding:  # selection applies to full-attention layers only
+                    layer.init_selection_state(slots, prompt_len)
 
     def prepare_step(self, n_live: int) -> None:
         """Before a decode forward over rows ``[0, n_live)``: one token is appended to each.
@@ -434,12 +438,12 @@ class VaseCache(Cache):
             self.row_eviction_seconds[r] += share
 
     def add_attended(self, mask: torch.Tensor | None, num_q_heads: int) -> None:
-        """Selection policies: add this step's attended tokens per row, summed over the layer's query heads.
+        """Selection policies: add this step's attended tokens per row of the step, summed over the layer's query heads.
 
         ``mask``: ``(n, Hq, L)`` (per query head) or ``(n, H, L)`` (per KV head: each of the group's ``Hq // H`` query
         heads attends to the KV head's tokens), or ``None`` (every held token, for every query head).
         """
-        n = self.n_live
+        n = self.step_rows  # every row of the step (a bucket's padding rows are free slots, reset at admission)
         if mask is None:
             self.attended[:n] += num_q_heads * (self.lengths_t[:n] + 1)
         else:

@@ -14,8 +14,12 @@ buffers are marked as static addresses (:func:`mark_static`) so the captured gra
 the token and position inputs are views of preallocated buffers (cudagraph trees copy them into the graph's own
 input buffers: a few bytes per step). Not run on a GPU yet (``docs/architecture.md``).
 
-``auto`` (:func:`compile_choice`) decides per decoder, in one log line: off for policies whose selection runs on the
-host (Quest, SeerAttention-R: their per-layer row grouping and first-step summaries read host lists), off on the CPU
+Selection policies (Quest, SeerAttention-R) are compiled too: their per-row state is made at each row's prefill,
+eagerly (:meth:`~vase.engine.policy.SelectionPolicy.init_state`), and lives in the state store (static addresses);
+inside the forward one ``select`` call per layer covers every row of the step over the span of the views, reading the
+rows' lengths on the device only (:meth:`~vase.engine.layer.VaseLayer.selection_mask`).
+
+``auto`` (:func:`compile_choice`) decides per decoder, in one log line: off on the CPU
 (inductor's compile time there, :data:`MIN_STEPS`; ``on`` compiles, and needs a C++ compiler), off on CUDA when a
 row's output cap is too short to amortise the compile, on otherwise.
 """
@@ -42,11 +46,6 @@ MIN_STEPS = 256
 NO_FLASH = "flash_attn_with_kvcache is a C++ extension call that dynamo cannot trace into a full graph"
 
 
-def host_selection(policy) -> bool:
-    """Whether the policy's decode-time work reads per-row host state inside the forward (selection policies)."""
-    return getattr(policy, "kind", None) == "selection"
-
-
 def compile_choice(
     setting: Any, device: torch.device, policy, expected_steps: int | None, attn_backend: str = "auto"
 ) -> tuple[bool, str]:
@@ -68,11 +67,6 @@ def compile_choice(
         raise ValueError(f"generation.compile: must be one of {', '.join(COMPILE_SETTINGS)}, got {setting!r}")
     if setting == "off":
         return False, "off: set explicitly"
-    if host_selection(policy):
-        why = f"policy {policy.name} selects tokens from host state inside the forward (not compile-clean yet)"
-        if setting == "on":
-            raise ValueError(f"generation.compile=on: {why}; use generation.compile=auto or off")
-        return False, f"auto: off, {why}"
     if attn_backend == "flash_attn":
         if setting == "on":
             raise ValueError(f"generation.compile=on: {NO_FLASH}; use generation.attn_backend=auto or sdpa")
@@ -132,6 +126,8 @@ def mark_static(cache) -> None:
     if cache.attended is not None:
         tensors.append(cache.attended)
     tensors += cache.storage.tensors()  # the stacked storage and every layer's views of it
+    if cache.policy.kind == "selection":  # the state select() updates in the forward (made at the first prefill)
+        tensors += list(cache.storage.state.store.values())
     for layer in cache.layers:
         tensors += [t for t in (layer.keys, layer.values, layer.positions, layer.queries) if t is not None]
     for t in tensors:
@@ -151,6 +147,9 @@ def static_inputs(cache) -> dict[str, int]:
         "ring_slot": cache.ring_slot.data_ptr(),
         "ring_mask": cache.ring_mask.data_ptr(),
     }
+    if cache.policy.kind == "selection":
+        for key, t in cache.storage.state.store.items():
+            out[f"state.{key}"] = t.data_ptr()
     for i, layer in enumerate(cache.layers):
         for name in ("keys", "values", "positions", "queries"):
             t = getattr(layer, name, None)

@@ -244,6 +244,11 @@ class VaseLayer(CacheLayerMixin):
         ``query``: ``(n, Hq, 1, D)`` the step's post-RoPE queries (decode steps only; the prefill attends to all).
         Returns ``(n, H, L)`` (per KV head) or ``(n, Hq, L)`` (per query head) bool, as the policy chose (see
         :class:`~vase.engine.policy.SelectionPolicy`), with each row's length mask applied.
+
+        One call for the step's rows ``[0, n)`` (``n = owner.step_rows``): every row has the same state keys (made at
+        its prefill, :meth:`init_selection_state`), so no rows are grouped on the host; the inputs are the rows'
+        device lengths and views of the storage and state store (static addresses), and the call reads no per-row host
+        state, so the compiled step (:mod:`vase.engine.compiled`) traces it once per row bucket.
         """
         owner = self.owner
         policy = owner.policy
@@ -251,61 +256,60 @@ class VaseLayer(CacheLayerMixin):
             return None
         n, length = owner.step_rows, owner.step_length  # the span of every row's view this step
         n_kv, n_q = self.keys.shape[1], query.shape[1]
-        masks: list[tuple[list[int], torch.Tensor | None]] = []
-        for slots in self._groups(list(range(n))):
-            idx = owner.index(slots)
-            state = self._state_for(slots, idx)
-            lengths_host = [owner.lengths[r] + 1 for r in slots]  # after this step's append
-            mask = policy.select(
-                SelectionInputs(
-                    query=query[idx],
-                    keys=self.keys[idx, :, :length],
-                    length=length,
-                    lengths=owner.lengths_t[idx] + 1,
-                    lengths_host=lengths_host,
-                    capacity=self.keys.shape[2],
-                    n_new=1,
-                    layer_idx=self.layer_idx,
-                    state=state,
-                    positions=self.positions[idx, :, :length],
-                )
+        views = owner.storage.state.layer_views(self.store_idx, n)
+        state = dict(views)
+        mask = policy.select(
+            SelectionInputs(
+                query=query,
+                keys=self.keys[:n, :, :length],
+                length=length,
+                # after this step's append; a padding row of a bucket (a free slot) may hold anything up to the span
+                lengths=torch.clamp(owner.lengths_t[:n] + 1, max=length),
+                capacity=self.keys.shape[2],
+                n_new=1,
+                layer_idx=self.layer_idx,
+                state=state,
+                positions=self.positions[:n, :, :length],
             )
-            self._put_state(slots, idx, state)
-            if mask is not None and (mask.dim() != 3 or mask.shape[1] not in (n_kv, n_q) or mask.shape[2] != length):
-                raise RuntimeError(
-                    f"policy {policy.name}: select() returned {tuple(mask.shape)}, expected ({len(slots)}, {n_kv} or "
-                    f"{n_q}, {length})"
-                )
-            masks.append((slots, mask))
-        if all(m is None for _, m in masks):
+        )
+        if not torch.compiler.is_compiling():
+            self._check_state(views, state)
+        if mask is None:
             owner.add_attended(None, n_q)
             return None
-        # One head axis for the whole step: per query head if any group's mask is (a KV-head mask is then repeated).
-        heads = n_q if any(m is not None and m.shape[1] == n_q for _, m in masks) else n_kv
-        full = torch.ones((n, heads, length), dtype=torch.bool, device=query.device)
-        for slots, mask in masks:
-            if mask is not None:
-                if mask.shape[1] != heads:
-                    mask = mask.repeat_interleave(heads // mask.shape[1], dim=1)
-                full[owner.index(slots)] = mask
-        full &= owner.length_mask(n, length)[:, None, :]
-        owner.add_attended(full, n_q)
-        return full
+        if mask.dim() != 3 or mask.shape[0] != n or mask.shape[1] not in (n_kv, n_q) or mask.shape[2] != length:
+            raise RuntimeError(
+                f"policy {policy.name}: select() returned {tuple(mask.shape)}, expected ({n}, {n_kv} or {n_q}, "
+                f"{length})"
+            )
+        mask = mask & owner.length_mask(n, length)[:, None, :]
+        owner.add_attended(mask, n_q)
+        return mask
 
     # ---- policy state (selection policies, per layer) ----------------------------------------------------------
-    def _groups(self, slots: list[int]) -> list[list[int]]:
-        """Split ``slots`` into groups of rows with the same state keys on this layer, order kept."""
-        keys = self.owner.storage.state.keys[self.store_idx]
-        groups: dict[Any, list[int]] = {}
-        for r in slots:
-            groups.setdefault(keys[r], []).append(r)
-        return list(groups.values())
+    def init_selection_state(self, slots: list[int], prompt_len: int) -> None:
+        """After a prompt's prefill into rows ``slots``: the selection policy's state of those rows on this layer
+        (:meth:`~vase.engine.policy.SelectionPolicy.init_state` of the prompt's keys, once, batch 1; every row of the
+        prompt holds the same), written into the state store. Eager, outside any decode forward."""
+        owner = self.owner
+        r = slots[0]
+        keys, positions = self.keys[r : r + 1, :, :prompt_len], self.positions[r : r + 1, :, :prompt_len]
+        state = owner.policy.init_state(keys, positions, [prompt_len], self.layer_idx, self.keys.shape[2])
+        if state:
+            owner.storage.state.fill(slots, owner.index(slots), state, self.store_idx, owner.policy.name)
 
-    def _state_for(self, slots: list[int], idx) -> dict:
-        """The rows' state dict on this layer: views of the store for a contiguous run of rows, copies otherwise."""
-        state = self.owner.storage.state
-        return state.get(state.keys[self.store_idx][slots[0]], idx, len(slots), self.store_idx)
-
-    def _put_state(self, slots: list[int], idx, state: dict) -> None:
-        """Store the rows' state on this layer after a policy call (no copy when the policy updated the views)."""
-        self.owner.storage.state.put(slots, idx, state, self.store_idx, self.owner.policy.name)
+    def _check_state(self, views: dict, state: dict) -> None:
+        """A policy's ``select`` updates its state in place: a key it added or a tensor it replaced is an error (eager
+        steps check; the compiled step traces the same code)."""
+        name = self.owner.policy.name
+        added = sorted(set(state) - set(views))
+        if added:
+            raise RuntimeError(
+                f"policy {name}: select() added state[{added[0]!r}]; create per-row state in init_state() (the engine "
+                "calls it at each row's prefill)"
+            )
+        replaced = [k for k in views if state.get(k) is not views[k]]
+        if replaced:
+            raise RuntimeError(
+                f"policy {name}: select() replaced state[{replaced[0]!r}]; update the state tensors in place"
+            )

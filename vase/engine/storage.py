@@ -200,12 +200,23 @@ class RowState:
                 if v.data_ptr() != target[idx].data_ptr():
                     target[idx] = v
             else:
-                target.index_copy_(0, idx, v)
+                target.index_copy_(0, idx, v.contiguous())
         keys = frozenset(state)
         for li in range(self.layers) if layer is None else (layer,):
             row_keys = self.keys[li]
             for r in slots:
                 row_keys[r] = keys
+
+    def layer_views(self, layer: int, n: int) -> dict[str, torch.Tensor]:
+        """``{key: (n, ...) view}`` of rows ``[0, n)`` on ``layer`` for every key of the store (a selection policy's
+        state at a decode step: every row has every key, made at its prefill)."""
+        return {k: t[:n, layer] for k, t in self.store.items()}
+
+    def fill(self, slots: list[int], idx, state: dict, layer: int, name: str) -> None:
+        """Give rows ``slots`` (``idx``) on ``layer`` the state ``{key: (1, ...) tensor}`` (one prompt's, the same for
+        each of its rows)."""
+        n = len(slots)
+        self.put(slots, idx, {k: v.expand(n, *v.shape[1:]) for k, v in state.items()}, layer, name)
 
     def move_row(self, src: int, dst: int) -> None:
         for t in self.store.values():
