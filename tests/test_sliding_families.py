@@ -238,7 +238,7 @@ def test_eviction_equals_masking(arch, name, tmp_path):
     check_eviction_equals_masking(_model(arch), name, tmp_path)
 
 
-@pytest.mark.parametrize("name", ["vase_dkv", "snapkv", "quest"])
+@pytest.mark.parametrize("name", ["vase_dkv", pytest.param("snapkv", marks=pytest.mark.slow), "quest"])
 def test_policy_runs_end_to_end_on_gpt_oss(name, tmp_path):
     """tests/test_policies_e2e.py's checks on gpt_oss (evicts, sinks kept, capacity as planned; selection attends to
     fewer). Four layers (sliding, full, sliding, full): Quest's dense first layers leave layer 3 to select in."""
