@@ -313,9 +313,8 @@ class VaseCache(Cache):
         if p.kind == "eviction" and p.compress_prefill and prompt_len > p.budget:
             self._evict(slots)
         if p.kind == "selection":  # the rows' selection state from the prompt, here and not in a decode forward
-            for layer in self.layers:
-                if not layer.is_sliding:  # selection applies to full-attention layers only
-                    layer.init_selection_state(slots, prompt_len)
+            for layer in self.evicting_layers:  # selection applies to full-attention layers only
+                layer.init_selection_state(slots, prompt_len)
 
     def prepare_step(self, n_live: int) -> None:
         """Before a decode forward over rows ``[0, n_live)``: one token is appended to each.
