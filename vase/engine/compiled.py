@@ -130,7 +130,7 @@ def mark_static(cache) -> None:
     if cache.attended is not None:
         tensors.append(cache.attended)
     tensors += cache.storage.tensors()  # the stacked storage and every layer's views of it
-    for layer in cache.layers:
+    for layer in cache.kv_layers:
         tensors += [t for t in (layer.keys, layer.values, layer.positions, layer.queries) if t is not None]
     for t in tensors:
         torch._dynamo.mark_static_address(t)
@@ -147,7 +147,7 @@ def static_inputs(cache) -> dict[str, int]:
         "write_slot": cache.write_slot.data_ptr(),
         "live_t": cache.live_t.data_ptr(),
     }
-    for i, layer in enumerate(cache.layers):
+    for i, layer in enumerate(cache.kv_layers):
         for name in ("keys", "values", "positions", "queries"):
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor):

@@ -112,7 +112,7 @@ def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: in
         taken = flat.index_select(0, src)
         flat.index_copy_(0, dst, taken)
         gathered_p = taken
-    for layer in cache.layers:
+    for layer in cache.kv_layers:
         layer.counters.evictions += n
     cache.record_eviction(slots, n_layers)
     cache.clock.stop(start, functools.partial(_credit, cache, list(slots)))
@@ -120,14 +120,14 @@ def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: in
         kept_p = gathered_p.view(n, n_layers, heads, budget - pinned)[..., :n_keep]
         per_layer = keep.view(n, n_layers, heads, n_keep)
         row_ids = [cache.row_ids[r] for r in slots]
-        for li, layer in enumerate(cache.layers):
+        for li, layer in enumerate(cache.kv_layers):
             cache.on_evict(layer, row_ids, per_layer[:, li], kept_p[:, li])
 
 
 def _credit(cache: Any, slots: list[int], seconds: float) -> None:
     """An event's ``seconds``: shared evenly by its layers' counters and by its rows (:meth:`credit_seconds`)."""
-    share = seconds / len(cache.layers)
-    for layer in cache.layers:
+    share = seconds / len(cache.kv_layers)
+    for layer in cache.kv_layers:
         layer.counters.eviction_seconds += share
     cache.credit_seconds(slots, seconds)
 

@@ -1,4 +1,4 @@
-"""Static shapes of the cache: per-row capacity, bytes per token and per row (no tensors, no transformers).
+"""Static shapes of the cache: per-row capacity, bytes per token and per row (no tensors).
 
 ``capacity = min(P + max_new_tokens, max(P, budget) + E)`` token slots per (layer, row, KV head) for eviction
 policies (``E`` = the policy's eviction period, ``window`` by default; ``max(P, budget + E)`` when the prompt is
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vase.engine.linear_state import LinearShape, attention_layer_ids, text_config
 from vase.engine.policy import Policy
 
 
@@ -35,6 +36,9 @@ class CacheGeometry:
         capacity: token slots per (layer, row, KV head).
         dtype, device: of the storage.
         prompt_len: the longest prompt the capacity was sized for (informational).
+        linear: a hybrid model's linear-attention layers (:class:`~vase.engine.linear_state.LinearShape`: a fixed
+            state per row, no KV), else ``None``; ``num_layers`` then counts the KV (full-attention) layers only.
+        layer_types: each model layer's type (``config.layer_types``), with ``linear``.
     """
 
     num_layers: int
@@ -46,6 +50,13 @@ class CacheGeometry:
     dtype: torch.dtype
     device: torch.device
     prompt_len: int = 0
+    linear: LinearShape | None = None
+    layer_types: tuple[str, ...] | None = None
+
+    @property
+    def linear_bytes_per_row(self) -> int:
+        """State bytes of one row over the linear-attention layers (0 for a model without any)."""
+        return 0 if self.linear is None else self.linear.bytes_per_row(self.dtype)
 
     @property
     def bytes_per_token(self) -> int:
@@ -97,12 +108,14 @@ def span_of(slots: Sequence[int]) -> slice | None:
 
 
 def model_geometry(model, rows: int, capacity: int, prompt_len: int = 0) -> CacheGeometry:
-    """The cache geometry of ``model`` for ``rows`` rows of ``capacity`` slots (dtype and device of its weights)."""
-    cfg = model.config
+    """The cache geometry of ``model`` for ``rows`` rows of ``capacity`` slots (dtype and device of its weights); a
+    hybrid model's KV layers are its full-attention ones, its linear-attention layers are ``linear``."""
+    cfg = text_config(model.config)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     param = next(model.parameters())
+    linear = LinearShape.of(cfg)
     return CacheGeometry(
-        num_layers=cfg.num_hidden_layers,
+        num_layers=len(attention_layer_ids(cfg)),
         num_kv_heads=cfg.num_key_value_heads,
         num_q_heads=cfg.num_attention_heads,
         head_dim=head_dim,
@@ -111,6 +124,8 @@ def model_geometry(model, rows: int, capacity: int, prompt_len: int = 0) -> Cach
         dtype=param.dtype,
         device=param.device,
         prompt_len=prompt_len,
+        linear=linear,
+        layer_types=None if linear is None else tuple(cfg.layer_types),
     )
 
 

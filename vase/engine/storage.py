@@ -50,6 +50,7 @@ class CacheStorage:
         self.queries: torch.Tensor | None = None
         self.last_call_pos: torch.Tensor | None = None
         self.state = RowState(rows, layers)
+        self.linear = None  # a hybrid model's linear-attention states (vase.engine.linear_state.LinearStates)
 
     @property
     def allocated(self) -> bool:
@@ -68,10 +69,12 @@ class CacheStorage:
 
     def tensors(self) -> list[torch.Tensor]:
         """The stacked tensors that exist (static addresses of the compiled step)."""
-        return [t for t in (self.keys, self.values, self.positions, self.queries, self.last_call_pos) if t is not None]
+        out = [t for t in (self.keys, self.values, self.positions, self.queries, self.last_call_pos) if t is not None]
+        return out + (self.linear.tensors() if self.linear is not None else [])
 
     def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy row ``src`` (its ``length`` held tokens of every layer, ring and state) into row ``dst``."""
+        """Copy row ``src`` (its ``length`` held tokens of every layer, ring, state and linear-attention state) into
+        row ``dst``."""
         if self.allocated:
             self.keys[dst, :, :, :length] = self.keys[src, :, :, :length]
             self.values[dst, :, :, :length] = self.values[src, :, :, :length]
@@ -79,11 +82,16 @@ class CacheStorage:
             if self.queries is not None:
                 self.queries[dst] = self.queries[src]
                 self.last_call_pos[dst] = self.last_call_pos[src]
+        if self.linear is not None:
+            self.linear.move_row(src, dst)
         self.state.move_row(src, dst)
 
     def clear_row(self, slot: int, scrub: bool = False) -> None:
-        """Forget row ``slot``'s policy state on every layer; with ``scrub``, zero its storage (after NaN/inf)."""
+        """Forget row ``slot``'s policy state on every layer (and zero its linear-attention state); with ``scrub``,
+        zero its storage (after NaN/inf)."""
         self.state.clear_row(slot)
+        if self.linear is not None:
+            self.linear.clear_row(slot)
         if self.last_call_pos is not None:
             self.last_call_pos[slot] = NEVER
         if scrub and self.allocated:
