@@ -37,6 +37,7 @@ from typing import ClassVar
 
 import torch
 
+from vase.engine.linear_state import attention_layer_ids
 from vase.engine.policy import SelectionInputs, SelectionPolicy, _check
 from vase.engine.scores import GROUP_REDUCE, page_min_max, page_upper_bound
 
@@ -88,12 +89,16 @@ class Quest(SelectionPolicy):
         )
 
     def check_model(self, model_config) -> None:
-        """``dense_layers`` at most the model's ``num_hidden_layers`` (all of them: every layer attends densely)."""
-        layers = getattr(model_config, "num_hidden_layers", None)
+        """``dense_layers`` at most the model's ``num_hidden_layers`` (all of them: every layer attends densely); on a
+        hybrid model, at most its full-attention layers (Quest selects on those only: the linear-attention layers hold
+        no KV, and ``SelectionInputs.layer_idx`` counts the full-attention layers)."""
+        layers, what = getattr(model_config, "num_hidden_layers", None), "num_hidden_layers"
+        if isinstance(layers, int) and len(attention_layer_ids(model_config)) < layers:
+            layers, what = len(attention_layer_ids(model_config)), "full-attention layers (layer_types)"
         _check(
             not isinstance(layers, int) or self.dense_layers <= layers,
             "policy.dense_layers",
-            f"must be <= the model's num_hidden_layers = {layers}, got {self.dense_layers}; e.g. "
+            f"must be <= the model's {what} = {layers}, got {self.dense_layers}; e.g. "
             f"policy.dense_layers={min(2, layers) if isinstance(layers, int) else 2} (Quest's 2, or fewer on a "
             "smaller model)",
         )

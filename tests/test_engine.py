@@ -12,6 +12,7 @@ from baselines.streaming import Streaming
 from tests.policy_configs import configs_of_kind, load_small
 from vase.engine import SamplingConfig, generate, sample_seeds, vase_attention
 from vase.engine.attention import eager_attention
+from vase.engine.linear_state import attention_layer_ids
 from vase.engine.policy import FullCache
 from vase.models import tiny_model
 
@@ -104,7 +105,7 @@ def check_eviction_equals_masking(model, name, tmp_path):
 
     def on_step(info):
         cache = holder["cache"]
-        snapshots[info.step] = [layer.positions[: layer.n_rows, :, : layer.length].clone() for layer in cache.layers]
+        snapshots[info.step] = [layer.positions[: layer.n_rows, :, : layer.length].clone() for layer in cache.kv_layers]
 
     out = generate(
         model,
@@ -120,12 +121,13 @@ def check_eviction_equals_masking(model, name, tmp_path):
         on_logits=lambda s, lg: logits.__setitem__(s, lg.clone()),
         check_policy_output=True,
     )
-    assert out.stats["evictions"] >= 3 * model.config.num_hidden_layers
+    kv_ids = attention_layer_ids(model.config)  # the KV layers (a hybrid model's linear layers hold no KV)
+    assert out.stats["evictions"] >= 3 * len(kv_ids)
     p = prompt.numel()
     total = p + new - 1  # the last sampled token is never fed
     seq = torch.stack([torch.cat([prompt, torch.tensor(t[: new - 1])]) for t in out.tokens])  # (rows, total)
-    n_layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
-    for layer in range(n_layers):
+    heads = model.config.num_key_value_heads
+    for layer, model_idx in enumerate(kv_ids):
         mask = torch.zeros(rows, heads, total, total, dtype=torch.bool)
         mask[:, :, :p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
         for i in range(p, total):  # query position i = token fed at decode step i - p + 1
@@ -136,7 +138,7 @@ def check_eviction_equals_masking(model, name, tmp_path):
                 held = snapshots[step][layer]  # (rows, H, length) positions held before this forward
                 mask[:, :, i].scatter_(-1, held, True)
                 mask[:, :, i, i] = True
-        _MASKS[layer] = mask
+        _MASKS[model_idx] = mask
     ref_model = model
     ref_model.set_attn_implementation("vase_test_masked")
     try:

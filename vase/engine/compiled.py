@@ -132,6 +132,7 @@ def mark_static(cache) -> None:
     tensors += cache.storage.tensors()  # the stacked storage and every layer's views of it
     for layer in cache.kv_layers:
         tensors += [t for t in (layer.keys, layer.values, layer.positions, layer.queries) if t is not None]
+    tensors += [t for layer in cache.layers for t in _linear_views(layer)]
     for t in tensors:
         torch._dynamo.mark_static_address(t)
 
@@ -152,4 +153,12 @@ def static_inputs(cache) -> dict[str, int]:
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor):
                 out[f"layer{i}.{name}"] = t.data_ptr()
+    for layer in cache.layers:
+        for name, t in zip(("conv", "recurrent"), _linear_views(layer)):
+            out[f"linear{layer.layer_idx}.{name}"] = t.data_ptr()
     return out
+
+
+def _linear_views(layer) -> list[torch.Tensor]:
+    """A hybrid model's linear-attention layer's views of its states (``[]`` for a KV layer)."""
+    return [t for t in (getattr(layer, "conv", None), getattr(layer, "recurrent", None)) if t is not None]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -361,6 +361,8 @@ def write_manifest(prep, run_dir: Path, model, tokenizer, spec, dtype_reason: st
 
 def manifest(prep, model, tokenizer, spec, dtype_reason: str, dec, plan, stop) -> dict:
     """The content of ``manifest.json`` (see :func:`write_manifest`)."""
+    from vase.engine.linear_state import layer_types
+
     cfg = prep.cfg
     return {
         "git_sha": git_sha(),
@@ -385,6 +387,9 @@ def manifest(prep, model, tokenizer, spec, dtype_reason: str, dec, plan, stop) -
             "capacity_per_row": dec.geometry.capacity,
             "capacity_choice": "cache_capacity(policy, longest prompt to decode, its output cap)",
             "kv_allocated_bytes": dec.geometry.kv_bytes,
+            # a hybrid model's linear-attention layers: their fixed state (every row) and the model's layer types
+            "linear_state_bytes": dec.geometry.rows * dec.geometry.linear_bytes_per_row,
+            "layer_types": dict(Counter(layer_types(model.config))),
             "row_bytes": plan.row_bytes,
             "sync_every": dec.sync_every,
         },
