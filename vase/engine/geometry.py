@@ -108,21 +108,28 @@ def span_of(slots: Sequence[int]) -> slice | None:
 
 
 def model_geometry(model, rows: int, capacity: int, prompt_len: int = 0) -> CacheGeometry:
-    """The cache geometry of ``model`` for ``rows`` rows of ``capacity`` slots (dtype and device of its weights); a
-    hybrid model's KV layers are its full-attention ones, its linear-attention layers are ``linear``."""
-    cfg = text_config(model.config)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    """The cache geometry of ``model`` for ``rows`` rows of ``capacity`` slots (dtype and device of its weights)."""
     param = next(model.parameters())
+    return config_geometry(model.config, rows, capacity, param.dtype, param.device, prompt_len)
+
+
+def config_geometry(
+    config, rows: int, capacity: int, dtype: torch.dtype, device: torch.device, prompt_len: int = 0
+) -> CacheGeometry:
+    """The cache geometry of a model from its config alone (no weights; a multimodal checkpoint's language model): a
+    hybrid model's KV layers are its full-attention ones, its linear-attention layers are ``linear``."""
+    cfg = text_config(config)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     linear = LinearShape.of(cfg)
     return CacheGeometry(
         num_layers=len(attention_layer_ids(cfg)),
-        num_kv_heads=cfg.num_key_value_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         num_q_heads=cfg.num_attention_heads,
         head_dim=head_dim,
         rows=rows,
         capacity=capacity,
-        dtype=param.dtype,
-        device=param.device,
+        dtype=dtype,
+        device=torch.device(device),
         prompt_len=prompt_len,
         linear=linear,
         layer_types=None if linear is None else tuple(cfg.layer_types),

@@ -4,9 +4,11 @@ A hybrid model interleaves full-attention layers (the static eviction cache, :mo
 linear-attention layers, whose whole memory of a sequence is two fixed-size tensors per row: the causal
 convolution's last ``kernel`` inputs ``(conv_dim, kernel)`` and the gated delta rule's recurrent state
 ``(value heads, key head dim, value head dim)``. This module holds them for every linear layer and row, allocated once
-with the cache (:class:`LinearStates`: ``conv (rows, Ll, conv_dim, kernel)`` in the model's dtype, ``recurrent (rows,
-Ll, Hv, Dk, Dv)`` in float32, the dtype transformers' gated delta rule returns it in), and the transformers layer
-object the model's ``GatedDeltaNet`` talks to (:class:`LinearLayer`, a ``LinearAttentionCacheLayerMixin``).
+with the cache (:class:`LinearStates`: ``conv (Ll, rows, conv_dim, kernel)`` in the model's dtype, ``recurrent (Ll,
+rows, Hv, Dk, Dv)`` in float32, the dtype transformers' gated delta rule returns it in), and the transformers layer
+object the model's ``GatedDeltaNet`` talks to (:class:`LinearLayer`, a ``LinearAttentionCacheLayerMixin``). Layers
+first: a layer's rows ``[0, b)`` are one contiguous block, as the fused kernels (causal-conv1d,
+flash-linear-attention) expect their state arguments.
 
 What the model does with the cache (transformers 5.24, ``modeling_qwen3_5.py`` / ``modeling_qwen3_next.py``), and
 what :class:`LinearLayer` answers:
@@ -112,16 +114,16 @@ class LinearStates:
     """The conv and recurrent states of every linear layer and row, allocated once, zero filled.
 
     Attributes:
-        conv: ``(rows, Ll, conv_dim, kernel)`` in ``dtype``.
-        recurrent: ``(rows, Ll, Hv, Dk, Dv)`` in :data:`RECURRENT_DTYPE`.
+        conv: ``(Ll, rows, conv_dim, kernel)`` in ``dtype``.
+        recurrent: ``(Ll, rows, Hv, Dk, Dv)`` in :data:`RECURRENT_DTYPE`.
     """
 
     def __init__(self, shape: LinearShape, rows: int, dtype: torch.dtype, device: torch.device):
         self.shape = shape
         n = len(shape.layer_ids)
-        self.conv = torch.zeros((rows, n, shape.conv_dim, shape.kernel), dtype=dtype, device=device)
+        self.conv = torch.zeros((n, rows, shape.conv_dim, shape.kernel), dtype=dtype, device=device)
         self.recurrent = torch.zeros(
-            (rows, n, shape.v_heads, shape.k_dim, shape.v_dim), dtype=RECURRENT_DTYPE, device=device
+            (n, rows, shape.v_heads, shape.k_dim, shape.v_dim), dtype=RECURRENT_DTYPE, device=device
         )
 
     def tensors(self) -> list[torch.Tensor]:
@@ -133,20 +135,21 @@ class LinearStates:
 
     def move_row(self, src: int, dst: int) -> None:
         """Row ``src``'s state of every linear layer into row ``dst`` (device copies)."""
-        self.conv[dst] = self.conv[src]
-        self.recurrent[dst] = self.recurrent[src]
+        self.conv[:, dst] = self.conv[:, src]
+        self.recurrent[:, dst] = self.recurrent[:, src]
 
     def clear_row(self, slot: int) -> None:
         """Zero row ``slot``'s state (a new sequence starts from zeros; its prefill overwrites it whole anyway)."""
-        self.conv[slot].zero_()
-        self.recurrent[slot].zero_()
+        self.conv[:, slot].zero_()
+        self.recurrent[:, slot].zero_()
 
 
 class LinearLayer(LinearAttentionCacheLayerMixin):
     """Layer ``layer_idx`` (the model's index) of a hybrid cache: views of :class:`LinearStates` at its ordinal
     ``slot`` among the linear layers (see the module docstring for what the model reads and writes).
 
-    ``conv``: ``(rows, conv_dim, kernel)``, ``recurrent``: ``(rows, Hv, Dk, Dv)``, views of the stacked states.
+    ``conv``: ``(rows, conv_dim, kernel)``, ``recurrent``: ``(rows, Hv, Dk, Dv)``, contiguous views of the stacked
+    states.
     """
 
     is_sliding = False
@@ -158,7 +161,7 @@ class LinearLayer(LinearAttentionCacheLayerMixin):
         # not LinearAttentionCacheLayerMixin.__init__: the states exist already, and has_previous_state / conv_states
         # / recurrent_states are views chosen per forward (properties below)
         self.layer_idx, self.slot, self.owner = layer_idx, slot, owner
-        self.conv, self.recurrent = states.conv[:, slot], states.recurrent[:, slot]
+        self.conv, self.recurrent = states.conv[slot], states.recurrent[slot]
         self.kernel = states.shape.kernel
         self.device, self.dtype = states.conv.device, states.conv.dtype
         self.is_conv_states_initialized = {0: True}

@@ -368,21 +368,12 @@ def check_memory(
     then the ``rows`` in flight. Nothing is allocated."""
     import torch
 
-    from vase.engine.geometry import CacheGeometry
+    from vase.engine.geometry import config_geometry
     from vase.engine.memory import row_bytes
     from vase.models import resolve_dtype
 
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    geometry = CacheGeometry(
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        num_q_heads=config.num_attention_heads,
-        head_dim=head_dim,
-        rows=1,
-        capacity=capacity,
-        dtype=resolve_dtype(dtype),
-        device=torch.device("cpu"),
-    )
+    # the KV layers' K/V and positions, and a hybrid model's linear-attention state
+    geometry = config_geometry(config, 1, capacity, resolve_dtype(dtype), torch.device("cpu"))
     per_row = row_bytes(geometry, policy)
     if kv_memory is not None and kv_memory < per_row:
         raise ValueError(
