@@ -24,10 +24,12 @@ Every token stays in memory: the engine reports ``attended_tokens`` (mean tokens
 and layer, the dense layers included) next to the KV bytes, so Quest is compared "at the same sparsity", never as
 a memory saving.
 
-Page summaries ``kmax``/``kmin`` ``(B, H, ceil(capacity / page_size), D)`` live in ``state``, allocated once per row
-when the row first needs a selection; after that only the page of each row's new token is updated (the engine calls
-``select`` at every decode step of every live row, so the summaries stay in step). Rows hold different lengths
-(continuous batching): each row ranks only its own complete pages.
+Page summaries ``kmax``/``kmin`` ``(B, H, ceil(capacity / page_size), D)`` live in ``state``, made for each row from
+its prompt right after the prefill (:meth:`Quest.init_state`, outside the decode forward); after that only the page of
+each row's new token is updated (the engine calls ``select`` at every decode step of every live row, so the summaries
+stay in step). Rows hold different lengths (continuous batching): every row is scored over the pages the step's keys
+span and ranks only its own complete pages, so a step's work depends on no row's length on the host (the compiled
+step, :mod:`vase.engine.compiled`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from typing import ClassVar
 
 import torch
 
-from vase.engine.linear_state import attention_layer_ids
 from vase.engine.policy import SelectionInputs, SelectionPolicy, _check
 from vase.engine.scores import GROUP_REDUCE, page_min_max, page_upper_bound
 
@@ -89,16 +90,12 @@ class Quest(SelectionPolicy):
         )
 
     def check_model(self, model_config) -> None:
-        """``dense_layers`` at most the model's ``num_hidden_layers`` (all of them: every layer attends densely); on a
-        hybrid model, at most its full-attention layers (Quest selects on those only: the linear-attention layers hold
-        no KV, and ``SelectionInputs.layer_idx`` counts the full-attention layers)."""
-        layers, what = getattr(model_config, "num_hidden_layers", None), "num_hidden_layers"
-        if isinstance(layers, int) and len(attention_layer_ids(model_config)) < layers:
-            layers, what = len(attention_layer_ids(model_config)), "full-attention layers (layer_types)"
+        """``dense_layers`` at most the model's ``num_hidden_layers`` (all of them: every layer attends densely)."""
+        layers = getattr(model_config, "num_hidden_layers", None)
         _check(
             not isinstance(layers, int) or self.dense_layers <= layers,
             "policy.dense_layers",
-            f"must be <= the model's {what} = {layers}, got {self.dense_layers}; e.g. "
+            f"must be <= the model's num_hidden_layers = {layers}, got {self.dense_layers}; e.g. "
             f"policy.dense_layers={min(2, layers) if isinstance(layers, int) else 2} (Quest's 2, or fewer on a "
             "smaller model)",
         )
@@ -108,20 +105,33 @@ class Quest(SelectionPolicy):
         """Pages attended per step and head, the current page included."""
         return self.budget // self.page_size
 
-    def page_summaries(self, inputs: SelectionInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kmax, kmin)``, each ``(B, H, ceil(capacity / page_size), D)``, kept up to date in ``inputs.state``."""
-        st, ps = inputs.state, self.page_size
-        keys = inputs.keys
-        if "kmax" not in st:  # rows new to selection: summarise every page they hold
-            b, h, _, d = keys.shape
-            pages = -(-inputs.capacity // ps)
-            kmax, kmin = keys.new_zeros((b, h, pages, d)), keys.new_zeros((b, h, pages, d))
-            for i, length in enumerate(inputs.lengths_host):
+    def init_state(
+        self, keys: torch.Tensor, positions: torch.Tensor, lengths: list[int], layer_idx: int, capacity: int
+    ) -> dict[str, torch.Tensor]:
+        """``kmax``/``kmin`` ``(B, H, ceil(capacity / page_size), D)``: each row's pages of its first ``lengths[b]``
+        tokens summarised (zero past them); ``{}`` in the dense layers (no selection there)."""
+        if layer_idx < self.dense_layers:
+            return {}
+        ps = self.page_size
+        b, h, _, d = keys.shape
+        pages = -(-capacity // ps)
+        kmax, kmin = keys.new_zeros((b, h, pages, d)), keys.new_zeros((b, h, pages, d))
+        for i, length in enumerate(lengths):
+            if length:
                 mx, mn = page_min_max(keys[i : i + 1, :, :length], ps)
                 kmax[i, :, : mx.shape[2]] = mx[0]
                 kmin[i, :, : mn.shape[2]] = mn[0]
-            st.update(kmax=kmax, kmin=kmin)
-            return kmax, kmin
+        return {"kmax": kmax, "kmin": kmin}
+
+    def page_summaries(self, inputs: SelectionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kmax, kmin)``, each ``(B, H, ceil(capacity / page_size), D)``, kept up to date in ``inputs.state``: the
+        page of each row's new token takes it in (the state summarises the tokens before it: the engine's from the
+        prompt on, :meth:`init_state`; a caller that passes none gets it made here)."""
+        st, ps = inputs.state, self.page_size
+        keys = inputs.keys
+        if "kmax" not in st:  # not the engine's call: summarise the tokens before each row's current one
+            before = [n - 1 for n in inputs.host_lengths()]
+            st.update(self.init_state(keys, inputs.positions, before, inputs.layer_idx, inputs.capacity))
         kmax, kmin = st["kmax"], st["kmin"]
         rows = torch.arange(keys.shape[0], device=keys.device)
         last = inputs.lengths - 1  # slot of each row's new token
@@ -134,28 +144,26 @@ class Quest(SelectionPolicy):
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor | None:
         """``(B, Hq, L)`` (``group_reduce=none``) or ``(B, H, L)`` bool: each row's current page plus its
-        ``n_pages - 1`` best complete pages; ``None`` in the dense layers or when every row holds at most ``n_pages``
-        pages."""
+        ``n_pages - 1`` best complete pages (all of them when it holds at most ``n_pages`` pages); ``None`` in the
+        dense layers or when the keys handed in span at most ``n_pages`` pages (then no row holds more).
+
+        Every row is scored over the same pages, the ``ceil(L / page_size)`` the keys span (no host maximum, so a
+        compiled step traces it once); pages a row has not completed are masked out of its ranking."""
         if inputs.layer_idx < self.dense_layers:
             return None
         ps, n_pages = self.page_size, self.n_pages
-        current = [(length - 1) // ps for length in inputs.lengths_host]  # pages before it are complete
-        fits = max(current) < n_pages  # every row holds at most n_pages pages
-        if fits and "kmax" not in inputs.state:
+        kmax, kmin = self.page_summaries(inputs)  # kept up to date at every step
+        n_total = -(-inputs.length // ps)  # the pages the keys span
+        if n_total <= n_pages:
             return None
-        kmax, kmin = self.page_summaries(inputs)  # kept up to date at every step once allocated
-        if fits:
-            return None
-        n_complete = max(current)  # >= n_pages > n_pages - 1 = pages to choose
-        bound = page_upper_bound(inputs.query, kmax[:, :, :n_complete], kmin[:, :, :n_complete], self.group_reduce)
+        bound = page_upper_bound(inputs.query, kmax[:, :, :n_total], kmin[:, :, :n_total], self.group_reduce)
         b, heads = bound.shape[:2]
-        cur = torch.div(inputs.lengths - 1, ps, rounding_mode="floor")  # (B,)
-        complete = torch.arange(n_complete, device=bound.device)[None, :] < cur[:, None]  # (B, P)
+        cur = torch.div(inputs.lengths - 1, ps, rounding_mode="floor")  # (B,) pages before it are complete
+        complete = torch.arange(n_total, device=bound.device)[None, :] < cur[:, None]  # (B, P)
         bound = bound.masked_fill(~complete[:, None, :], float("-inf"))
         top = bound.topk(n_pages - 1, dim=-1).indices  # a row with fewer complete pages gets all of them
-        n_total = max(n_complete + 1, -(-inputs.length // ps))  # the keys handed in may span other rows' pages
         pages = torch.zeros((b, heads, n_total), dtype=torch.bool, device=bound.device)
         pages.scatter_(-1, top, True)
-        pages[..., :n_complete] &= complete[:, None, :]
+        pages &= complete[:, None, :]
         pages.scatter_(-1, cur.view(b, 1, 1).expand(b, heads, 1), True)  # the current page, always
         return pages.repeat_interleave(ps, dim=-1)[..., : inputs.length]

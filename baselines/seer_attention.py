@@ -28,8 +28,10 @@ order as the authors' bf16 gate arithmetic. The gate runs in float32 (the author
 
 State per row and layer (``SelectionInputs.state``), updated incrementally so a step costs O(blocks), not O(tokens):
 ``kc (B, H, ceil(capacity / block_size), gate_hidden)`` the compressed keys (keys' dtype; zero for incomplete
-blocks) and ``pmax``/``pmin``/``psum (B, H, D)`` float32, the running pool of each row's current block. A row's first
-call (its first decode step) summarises its prompt; after that only its new token is folded in.
+blocks) and ``pmax``/``pmin``/``psum (B, H, D)`` float32, the running pool of each row's current block. The engine
+summarises a row's prompt right after its prefill (:meth:`SeerAttentionR.init_state`, outside the decode forward);
+from its first decode step on only its new token is folded in, so a step reads no per-row host state (the compiled
+step, :mod:`vase.engine.compiled`).
 
 The gates load by hub id (:data:`baselines.seer_gates.GATES`, the model's own unless ``gate_repo`` is set) or from a
 local ``gate_path``, in :meth:`SeerAttentionR.setup`, which refuses a model they were not trained for.
@@ -265,27 +267,40 @@ class SeerAttentionR(SelectionPolicy):
             k = rotate(k, None, None, cos_sin=(cos.unsqueeze(-3), sin.unsqueeze(-3)))
         return k
 
+    def init_state(
+        self, keys: torch.Tensor, positions: torch.Tensor, lengths: list[int], layer_idx: int, capacity: int
+    ) -> dict[str, torch.Tensor]:
+        """The rows' prompt summaries (the first ``lengths[b]`` tokens of row ``b``): ``kc (B, H, ceil(capacity /
+        block_size), gate_hidden)`` (its complete blocks compressed, rotated at their first position; zero after) and
+        the float32 pool ``pmax``/``pmin``/``psum (B, H, D)`` of its incomplete last block (zero if none)."""
+        cfg, bs = self._gates.config, self.block_size
+        w = self.gates(layer_idx, keys.device)
+        b, h, _, d = keys.shape
+        kc = keys.new_zeros((b, h, -(-capacity // bs), cfg.gate_hidden))
+        pmax, pmin, psum = (keys.new_zeros((b, h, d), dtype=torch.float32) for _ in range(3))
+        for i, prompt in enumerate(lengths):
+            p = positions[i, 0, :prompt]
+            k = rotate(keys[i, :, :prompt], p, w["inv_freq"], inverse=True)  # (H, prompt, D) pre-RoPE
+            nb = prompt // bs
+            if nb:
+                feats = pool_blocks(k[:, : nb * bs], bs, cfg.k_pooling)
+                at = rope_cos_sin(p[: nb * bs : bs], w["inv_freq"])  # prompt blocks: their first position
+                kc[i, :, :nb] = self._compress(feats, w, at).to(kc.dtype)
+            rest = k[:, nb * bs :]
+            if rest.shape[1]:
+                pmax[i], pmin[i], psum[i] = rest.amax(1), rest.amin(1), rest.sum(1)
+        return {"kc": kc, "pmax": pmax, "pmin": pmin, "psum": psum}
+
     def update_state(self, inputs: SelectionInputs) -> None:
-        """Fold each row's new token into its block summaries (a row's first call also summarises its prompt)."""
+        """Fold each row's new token into its block summaries (the state summarises the tokens before it: the
+        engine's from the prompt on, :meth:`init_state`; a caller that passes none gets it made here)."""
         cfg, bs = self._gates.config, self.block_size
         st, keys, pos = inputs.state, inputs.keys, inputs.positions
         w = self.gates(inputs.layer_idx, keys.device)
         b, h, _, d = keys.shape
-        if "kc" not in st:  # the row's first decode step: summarise the prompt (every token before the current one)
-            kc = keys.new_zeros((b, h, -(-inputs.capacity // bs), cfg.gate_hidden))
-            pmax, pmin, psum = (keys.new_zeros((b, h, d), dtype=torch.float32) for _ in range(3))
-            for i, length in enumerate(inputs.lengths_host):
-                prompt, p = length - 1, pos[i, 0, : length - 1]
-                k = rotate(keys[i, :, :prompt], p, w["inv_freq"], inverse=True)  # (H, prompt, D) pre-RoPE
-                nb = prompt // bs
-                if nb:
-                    feats = pool_blocks(k[:, : nb * bs], bs, cfg.k_pooling)
-                    at = rope_cos_sin(p[: nb * bs : bs], w["inv_freq"])  # prompt blocks: their first position
-                    kc[i, :, :nb] = self._compress(feats, w, at).to(kc.dtype)
-                rest = k[:, nb * bs :]
-                if rest.shape[1]:
-                    pmax[i], pmin[i], psum[i] = rest.amax(1), rest.amin(1), rest.sum(1)
-            st.update(kc=kc, pmax=pmax, pmin=pmin, psum=psum)
+        if "kc" not in st:  # not the engine's call: summarise every token before each row's current one
+            before = [n - 1 for n in inputs.host_lengths()]
+            st.update(self.init_state(keys, pos, before, inputs.layer_idx, inputs.capacity))
         kc, pmax, pmin, psum = st["kc"], st["pmax"], st["pmin"], st["psum"]
         rows = torch.arange(b, device=keys.device)
         last = inputs.lengths - 1  # slot (= position order) of each row's new token
@@ -332,12 +347,14 @@ class SeerAttentionR(SelectionPolicy):
 
     def select(self, inputs: SelectionInputs) -> torch.Tensor | None:
         """``(B, H, L)`` bool: per KV head, the top ``budget // block_size`` blocks by the gate plus the current
-        block; ``None`` when every row holds at most ``budget // block_size`` blocks."""
+        block (every block, for a row holding at most ``budget // block_size``); ``None`` when the keys handed in
+        span at most ``budget // block_size`` blocks (then no row holds more). Every row is scored over the blocks the
+        keys span (no host maximum: a compiled step traces it once)."""
         if self._gates is None:
             raise RuntimeError("policy seer_attention_r: setup(model_config) was not called (the decoder calls it)")
         self.update_state(inputs)
         bs, k = self.block_size, self.budget // self.block_size
-        if max(-(-length // bs) for length in inputs.lengths_host) <= k:
+        if -(-inputs.length // bs) <= k:
             return None
         logits = self.block_logits(inputs)
         b, h, n_blocks = logits.shape

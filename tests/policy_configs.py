@@ -14,8 +14,6 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from vase.engine.linear_state import attention_layer_ids
-
 CONF = Path(__file__).resolve().parents[1] / "conf" / "policy"
 ALL_CONFIGS = sorted(p.stem for p in CONF.glob("*.yaml"))
 
@@ -75,7 +73,7 @@ def calibrate(policy, model=None, *, layers: int = 1, q_heads: int = 8, head_dim
 def load_small(name: str, budget: int, window: int, model=None, tmp_path: Path | None = None, **overrides):
     """Config ``name`` instantiated for a small model (:func:`small_config`), calibrated on ``model`` if it asks, with
     random SeerAttention-R gates of ``model``'s geometry (16-token blocks) when it loads a checkpoint."""
-    n_layers = None if model is None else len(attention_layer_ids(model.config))  # a hybrid model's KV layers
+    n_layers = None if model is None else model.config.num_hidden_layers
     cfg = small_config(name, budget, window, n_layers)
     if model is not None and "gate_path" in cfg:
         from tests.seer_reference import write_random_gates

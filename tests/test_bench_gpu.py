@@ -169,6 +169,7 @@ def test_gpu_smoke_dry_run_runs_every_section(tmp_path):
     assert record["ok"] and set(record["seconds"]) == {"env", "kernel", "decode", "compile", "rows"}
     same, total = record["compile"]["samples_equal"].split("/")
     assert record["compile"]["on"]["compile"]["compiled"] and same == total
+    assert all(x["ratio"] > 0 for x in record["compile"]["off"]["first_vs_tenth"])
     assert all(r["ok"] for r in record["kernel"]["pairs"])
     assert [r["policy"] for r in record["rows"]] == ["full", "vase_dkv", "full", "vase_dkv"]
     table = (tmp_path / "table.txt").read_text()
@@ -231,3 +232,15 @@ def test_gpu_scripts_pick_the_projects_python_as_the_makefile(tmp_path, script):
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and f"no Python at {tmp_path / 'nowhere'}/bin/python" in r.stderr
     assert "make setup" in r.stderr and "PY=" in r.stderr
+
+
+def test_first_vs_tenth_step_per_step_shape():
+    """The first step at each new (rows, key slots) against its tenth: a plan built on a shape's first step shows."""
+    from vase.bench.smoke import first_vs_tenth
+
+    steps = (
+        [((4, 256), 50.0)] + [((4, 256), 5.0)] * 11 + [((2, 256), 3.0)] * 5 + [((2, 512), 8.0)] + [((2, 512), 4.0)] * 9
+    )
+    got = {(x["rows"], x["key_slots"]): x for x in first_vs_tenth(steps)}
+    assert set(got) == {(4, 256), (2, 512)}  # (2, 256) ran 5 steps: no tenth
+    assert got[(4, 256)]["ratio"] == pytest.approx(10.0) and got[(2, 512)]["ratio"] == pytest.approx(2.0)

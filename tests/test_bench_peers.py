@@ -240,3 +240,18 @@ def test_bench_vllm_runs_the_harness_side_and_reports_vllm_missing(tmp_path):
     assert [(r["engine"], r["policy"]) for r in result["runs"]] == [("harness", "full"), ("harness", "vase_attnv")]
     assert all(r["decode_tok_s"] > 0 and r["samples"] == 2 for r in result["runs"]), result["runs"]
     assert code == 0
+
+
+def test_vllm_preloads_are_found_or_named(tmp_path, monkeypatch):
+    """``--vllm-preload auto`` takes Intel's OpenMP from the vLLM venv and names what it cannot find; an explicit
+    path that does not exist is a one-line error; ``none`` preloads nothing."""
+    lib = tmp_path / "venv" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libiomp5.so").write_bytes(b"")
+    monkeypatch.setattr(bvl, "PRELOAD_LIBS", {"iomp": ("libiomp5.so",), "nosuchlib": ("libnosuchlib_xyz.so",)})
+    found, missing = bvl.find_preloads(tmp_path / "venv", "auto")
+    assert found == [str((lib / "libiomp5.so").resolve())] and missing == ["nosuchlib"]
+    assert bvl.find_preloads(tmp_path / "venv", "none") == ([], [])
+    assert bvl.find_preloads(tmp_path, str(lib / "libiomp5.so")) == ([str(lib / "libiomp5.so")], [])
+    with pytest.raises(ValueError, match="--vllm-preload: no such library"):
+        bvl.find_preloads(tmp_path, str(tmp_path / "missing.so"))

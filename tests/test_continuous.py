@@ -326,7 +326,9 @@ def fake_flash(monkeypatch):
     module.flash_attn_func = ref.flash_attn_func
     module.flash_attn_with_kvcache = ref.flash_attn_with_kvcache
     monkeypatch.setitem(sys.modules, "flash_attn", module)
-    monkeypatch.setattr("vase.engine.decode.backend_choice", lambda backend, device, dtype=None: (backend, "test"))
+    monkeypatch.setattr(
+        "vase.engine.decode.backend_choice", lambda backend, device, dtype=None, sinks=False: (backend, "test")
+    )
     ref.calls.clear()
     return ref
 

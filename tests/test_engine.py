@@ -12,7 +12,6 @@ from baselines.streaming import Streaming
 from tests.policy_configs import configs_of_kind, load_small
 from vase.engine import SamplingConfig, generate, sample_seeds, vase_attention
 from vase.engine.attention import eager_attention
-from vase.engine.linear_state import attention_layer_ids
 from vase.engine.policy import FullCache
 from vase.models import tiny_model
 
@@ -70,11 +69,13 @@ _MASKS: dict[int, torch.Tensor] = {}
 
 
 def _masked_reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Eager attention over the whole sequence with a per-(row, KV head, query, key) mask from ``_MASKS``."""
+    """Eager attention over the whole sequence with a per-(row, KV head, query, key) mask from ``_MASKS`` (and the
+    model's attention sinks, if it has them)."""
     mask = _MASKS[module.layer_idx]  # (B, H, L, L) bool
     groups = query.shape[1] // key.shape[1]
     full = mask.repeat_interleave(groups, dim=1)
-    out = eager_attention(query, key, value, scaling, causal=False, mask=full)
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    out = eager_attention(query, key, value, scaling, causal=False, mask=full, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -105,7 +106,12 @@ def check_eviction_equals_masking(model, name, tmp_path):
 
     def on_step(info):
         cache = holder["cache"]
-        snapshots[info.step] = [layer.positions[: layer.n_rows, :, : layer.length].clone() for layer in cache.kv_layers]
+        snapshots[info.step] = [
+            layer.positions[: layer.n_rows].clone()
+            if layer.is_sliding
+            else layer.positions[: layer.n_rows, :, : layer.length].clone()
+            for layer in cache.attention_layers  # the K/V layers (a hybrid model's linear layers hold no K/V)
+        ]
 
     out = generate(
         model,
@@ -121,30 +127,39 @@ def check_eviction_equals_masking(model, name, tmp_path):
         on_logits=lambda s, lg: logits.__setitem__(s, lg.clone()),
         check_policy_output=True,
     )
-    kv_ids = attention_layer_ids(model.config)  # the KV layers (a hybrid model's linear layers hold no KV)
-    assert out.stats["evictions"] >= 3 * len(kv_ids)
+    cache = holder["cache"]
+    full_layers = [layer.layer_idx for layer in cache.evicting_layers]
+    assert out.stats["evictions"] >= 3 * len(full_layers)
     p = prompt.numel()
     total = p + new - 1  # the last sampled token is never fed
     seq = torch.stack([torch.cat([prompt, torch.tensor(t[: new - 1])]) for t in out.tokens])  # (rows, total)
     heads = model.config.num_key_value_heads
-    for layer, model_idx in enumerate(kv_ids):
+    for layer, vase_layer in enumerate(cache.attention_layers):
+        model_idx = vase_layer.layer_idx
+        window = vase_layer.window  # a sliding layer's: query i sees (i - window, i] of what its ring holds
         mask = torch.zeros(rows, heads, total, total, dtype=torch.bool)
-        mask[:, :, :p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+        causal = torch.ones(p, p, dtype=torch.bool).tril()
+        mask[:, :, :p, :p] = causal if window is None else causal & ~causal.tril(-window)
         for i in range(p, total):  # query position i = token fed at decode step i - p + 1
             step = i - p
             if step == 0:
                 mask[:, :, i, : i + 1] = True
+                if window is not None:
+                    mask[:, :, i, : max(0, i + 1 - window)] = False
             else:
                 held = snapshots[step][layer]  # (rows, H, length) positions held before this forward
+                if window is not None:  # the ring's written slots that stay in the window after this step's write
+                    held = torch.where((held >= 0) & (held > i - window), held, i)
                 mask[:, :, i].scatter_(-1, held, True)
                 mask[:, :, i, i] = True
         _MASKS[model_idx] = mask
     ref_model = model
+    previous = ref_model.config._attn_implementation
     ref_model.set_attn_implementation("vase_test_masked")
     try:
         ref = ref_model(input_ids=seq, position_ids=torch.arange(total).view(1, -1)).logits
     finally:
-        ref_model.set_attn_implementation("sdpa")
+        ref_model.set_attn_implementation(previous)
     evicted_something = False
     for step in range(1, new):
         i = p + step - 1
@@ -152,7 +167,7 @@ def check_eviction_equals_masking(model, name, tmp_path):
         # fp32 rounding of ~10-sized logits after 3 layers (the same check in float64 agrees to 1e-12:
         # tests/test_attention_kernels.py::test_eviction_equals_masking_in_float64)
         assert diff <= 2e-5 * max(1.0, ref[:, i].abs().max().item()), (step, diff)
-        if step > 1 and snapshots[step - 1][0].shape[-1] < i:
+        if step > 1 and snapshots[step - 1][full_layers[0]].shape[-1] < i:
             evicted_something = True
     assert evicted_something
 
@@ -329,8 +344,9 @@ def test_unsupported_architecture():
     )
     model = MistralForCausalLM(cfg).eval()
     model.register_forward_pre_hook(lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
-    # MistralConfig's default 4096-token window: refused before anything runs (a null window is supported)
-    with pytest.raises(ValueError, match="sliding_window=4096: sliding-window attention layers are not supported"):
+    # MistralConfig's default 4096-token window on every layer: refused before anything runs (no full-attention
+    # layer for a budget; a null window, or layer_types mixing full and sliding layers, is supported)
+    with pytest.raises(ValueError, match="every layer of this mistral config is sliding-window .sliding_window=4096"):
         generate(model, _prompt(8, vocab=64), FullCache(), max_new_tokens=4)
 
 

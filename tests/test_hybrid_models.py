@@ -29,8 +29,8 @@ from tests.test_engine import _MASKS  # and the masked reference attention it re
 from tests.test_policies_e2e import run_and_check
 from vase.engine import Decoder, Request, SamplingConfig, generate, sample_seeds
 from vase.engine.cache import cache_capacity
-from vase.engine.geometry import model_geometry, partial_rope
-from vase.engine.linear_state import LinearLayer, LinearStates, attention_layer_ids, linear_state_bytes_per_row
+from vase.engine.geometry import config_geometry, model_geometry, partial_rope
+from vase.engine.linear_state import LinearLayer, LinearShape, LinearStates
 from vase.engine.memory import row_bytes
 from vase.engine.policy import FullCache
 from vase.models import check_architecture, tiny_config, tiny_model
@@ -43,6 +43,11 @@ THREE_TO_ONE = dict(num_hidden_layers=4, full_attention_interval=4)
 #: two full-attention layers (linear, full, linear, full): evictions on more than one KV layer
 TWO_KV = dict(num_hidden_layers=4)
 SAMPLING = SamplingConfig(temperature=1.0, top_p=0.95, top_k=50)
+
+
+def full_layers(config) -> list[int]:
+    """The model's indices of its full-attention layers (``CacheGeometry.full_layers``, from the config alone)."""
+    return config_geometry(config, 1, 1, torch.float32, torch.device("cpu")).full_layers
 
 
 def test_tiny_configs_are_hybrid():
@@ -65,9 +70,9 @@ def test_a_multimodal_checkpoint_config_is_checked_on_its_language_model():
     text = tiny_config("qwen3_5", **THREE_TO_ONE).to_dict()
     composite = AutoConfig.for_model("qwen3_5", text_config=text)
     check_architecture(composite)
-    assert attention_layer_ids(composite) == [3]
+    assert full_layers(composite) == [3]
     bad = AutoConfig.for_model("qwen3_5", text_config={**text, "layer_types": ["linear_attention"] * 4})
-    with pytest.raises(ValueError, match="no full_attention layer") as err:
+    with pytest.raises(ValueError, match="no layer of this qwen3_5 config is full attention") as err:
         check_architecture(bad)
     assert "\n" not in str(err.value)
 
@@ -165,11 +170,11 @@ def test_eviction_equals_masking_on_the_attention_layers(arch, name, tmp_path):
     prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(1))
     rows, new = 2, 70
     policy = load_small(name, 32, 8, model, tmp_path)
-    kv_ids = attention_layer_ids(model.config)
+    kv_ids = full_layers(model.config)
     snapshots, logits, holder = {}, {}, {}
 
     def on_step(info):
-        layers = holder["cache"].kv_layers
+        layers = holder["cache"].evicting_layers  # the full-attention layers, in the model's order
         snapshots[info.step] = [layer.positions[: layer.n_rows, :, : layer.length].clone() for layer in layers]
 
     out = generate(
@@ -221,7 +226,7 @@ def test_the_stepwise_masking_reference_detects_a_wrong_mask():
     """The reference above can fail: hiding one more entry of the KV layer changes the logits."""
     model = tiny_model("qwen3_5", **THREE_TO_ONE)
     seq = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(2))
-    (mi,) = attention_layer_ids(model.config)
+    (mi,) = full_layers(model.config)
     heads = model.config.num_key_value_heads
     model.set_attn_implementation("vase_test_masked")
     try:
@@ -235,10 +240,11 @@ def test_the_stepwise_masking_reference_detects_a_wrong_mask():
 
 
 def test_policies_see_only_the_full_attention_layers(tmp_path):
-    """The eviction event folds the KV layers only (``layer_ids`` in ``[0, kv layers)``), a selection policy is asked
-    once per KV layer and step, and the budget is what every KV layer holds after an eviction."""
-    model = tiny_model("qwen3_5", **THREE_TO_ONE)  # one KV layer among four
-    kv = len(attention_layer_ids(model.config))
+    """The eviction event folds the full-attention layers only (``layer_ids``: their model indices), a selection
+    policy is asked once per full layer and step (``layer_idx``: the model's), and the budget is what every full
+    layer holds after an eviction."""
+    model = tiny_model("qwen3_5", **THREE_TO_ONE)  # one full-attention layer among four: layer 3
+    kv = len(full_layers(model.config))
     seen_evict, seen_select = set(), []
     policy = load_small("vase_dkv", 32, 8, model)
     keep = policy.keep
@@ -251,11 +257,13 @@ def test_policies_see_only_the_full_attention_layers(tmp_path):
     policy.keep = spy_keep
     caches = []
     out = generate(model, torch.arange(20), policy, n_samples=2, max_new_tokens=60, seed=1, on_cache=caches.append)
-    assert out.stats["evictions"] > 0 and seen_evict == set(range(kv))
+    assert out.stats["evictions"] > 0 and seen_evict == {3}
     cache = caches[0]
-    assert len(cache.kv_layers) == kv == cache.storage.layers and len(cache.layers) == 4
-    assert all(isinstance(layer, LinearLayer) for layer in cache.layers[:3])
-    assert cache.kv_layers[0].length <= policy.budget + policy.window
+    assert len(cache.evicting_layers) == kv == cache.storage.layers and len(cache.layers) == 4
+    assert cache.attention_layers == cache.evicting_layers == [cache.layers[3]] and cache.layers[3].store_idx == 0
+    assert all(isinstance(layer, LinearLayer) and layer.kind == "linear_attention" for layer in cache.layers[:3])
+    assert cache.geometry.full_layers == [3] and cache.geometry.layers_of("linear_attention") == [0, 1, 2]
+    assert cache.evicting_layers[0].length <= policy.budget + policy.window
     quest = load_small("quest", 32, 8, model, dense_layers=0)
     select = quest.select
 
@@ -265,14 +273,23 @@ def test_policies_see_only_the_full_attention_layers(tmp_path):
 
     quest.select = spy_select
     out = generate(model, torch.arange(20), quest, n_samples=1, max_new_tokens=40, seed=1)
-    assert set(seen_select) == {0} and len(seen_select) == 39  # one KV layer, every decode step after the first
+    assert set(seen_select) == {3} and len(seen_select) == 39  # one full layer, every decode step after the first
     assert out.stats["attended_tokens"] < out.stats["held_tokens"]
 
 
-def test_quest_dense_layers_counts_the_full_attention_layers(tmp_path):
+def test_quest_dense_layers_are_the_model_s_first_layers(tmp_path):
+    """A policy's layer index is the model's (as on a sliding model): Quest's first ``dense_layers`` layers of the
+    model attend densely, whatever their type; here layer 3 is the only full-attention one."""
     model = tiny_model("qwen3_5", **THREE_TO_ONE)
-    with pytest.raises(ValueError, match=r"dense_layers: must be <= the model's full-attention layers .* = 1, got 2"):
-        load_small("quest", 32, 8, model, dense_layers=2).check_model(model.config)
+    with pytest.raises(ValueError, match=r"dense_layers: must be <= the model's num_hidden_layers = 4, got 5"):
+        load_small("quest", 32, 8, model, dense_layers=5).check_model(model.config)
+    stats = {}
+    for dense in (3, 4):  # layer 3 sparse, then dense
+        quest = load_small("quest", 32, 8, model, dense_layers=dense)
+        quest.check_model(model.config)
+        stats[dense] = generate(model, torch.arange(40), quest, n_samples=1, max_new_tokens=30, seed=1).stats
+    assert stats[3]["attended_tokens"] < stats[3]["held_tokens"]
+    assert stats[4]["attended_tokens"] == stats[4]["held_tokens"]
 
 
 @pytest.mark.parametrize("name", ["triattention", "seer_attention_r"])
@@ -294,9 +311,9 @@ def test_policy_runs_end_to_end(name, tmp_path):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_state_bytes_equal_transformers_cache(arch):
-    """The state bytes per row (``linear_state_bytes_per_row``: the accounting's ``linear_attention`` entry) equal
-    what transformers' own cache holds for one sequence; the cache allocates exactly rows x that once, and the
-    planned row size counts it beside the KV layers' K/V."""
+    """The state bytes per row (the accounting's ``linear_attention`` entry, ``CacheGeometry.kv_bytes_by_type``)
+    equal what transformers' own cache holds for one sequence; the cache allocates exactly rows x that once, and the
+    planned row size counts it beside the full layers' K/V."""
     model = tiny_model(arch, **THREE_TO_ONE)
     hf = DynamicCache(config=model.config)
     model(input_ids=torch.arange(9).view(1, -1), cache=hf, use_cache=True)
@@ -305,15 +322,20 @@ def test_state_bytes_equal_transformers_cache(arch):
         for layer in hf.layers
         if getattr(layer, "conv_states", None)
     )
-    per_row = linear_state_bytes_per_row(model.config, torch.float32)
-    assert per_row == want > 0
     geometry = model_geometry(model, rows=3, capacity=64)
-    assert geometry.num_layers == 1 and geometry.linear_bytes_per_row == per_row
-    assert row_bytes(geometry, FullCache()) == geometry.kv_bytes_per_row + 64 * 1 * 2 * 8 + per_row
+    per_row = geometry.kv_bytes_by_type["linear_attention"]
+    assert per_row == geometry.linear_bytes_per_row == want > 0
+    full = geometry.kv_bytes_by_type["full_attention"]
+    assert geometry.num_layers == 4 and geometry.full_layers == [3] and full == 64 * geometry.bytes_per_token_of_layer
+    assert geometry.kv_bytes_per_row == full + per_row
+    held = geometry.held_bytes_by_type(10, 50)  # a linear layer holds its state whatever the length
+    assert held == {"full_attention": 10 * geometry.bytes_per_token, "linear_attention": per_row}
+    heads = model.config.num_key_value_heads
+    assert row_bytes(geometry, FullCache()) == full + per_row + 64 * 1 * heads * 8  # + the full layer's positions
     dec = Decoder(model, FullCache(), rows=3, capacity=64, max_new_tokens=8)
-    assert dec.cache.linear_bytes() == 3 * per_row
-    assert linear_state_bytes_per_row(tiny_config("qwen3"), torch.float32) == 0
-    assert linear_state_bytes_per_row(model.config, torch.bfloat16) < per_row  # the conv state in the model's dtype
+    assert dec.cache.storage.linear.nbytes == 3 * per_row
+    assert LinearShape.of(tiny_config("qwen3")) is None
+    assert LinearShape.of(model.config).bytes_per_row(torch.bfloat16) < per_row  # the conv state in the model's dtype
 
 
 @pytest.mark.parametrize("name", ["vase_dkv", pytest.param("full", marks=pytest.mark.slow)])
@@ -366,7 +388,7 @@ def test_tiny_preset_loads_the_family(arch):
     assert spec.key == f"tiny_{arch}" and spec.name == f"tiny:{arch}"
     assert model_config(spec).layer_types == ["linear_attention", "full_attention"] * 2
     model, tokenizer = spec.load()
-    assert model.config.vocab_size == len(tokenizer) and len(attention_layer_ids(model.config)) == 2
+    assert model.config.vocab_size == len(tokenizer) and full_layers(model.config) == [1, 3]
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -385,7 +407,8 @@ def test_a_short_offline_run_per_family(arch, tmp_path):
     assert metrics["complete"] and metrics["samples"] == 2 and metrics["evictions"] > 0
     assert f"tiny_{arch}" in metrics["run_dir"]
     engine = json.loads((Path(metrics["run_dir"]) / "manifest.json").read_text())["engine"]
-    assert engine["linear_state_bytes"] > 0 and engine["layer_types"] == {"full_attention": 2, "linear_attention": 2}
+    assert engine["kv_allocated_bytes_by_type"]["linear_attention"] > 0
+    assert engine["layer_types"] == {"linear_attention": 2, "full_attention": 2}
 
 
 @pytest.mark.parametrize(

@@ -60,8 +60,8 @@ def run_and_check(model, prompt: list[int], name: str, budget: int, window: int,
         every, p = policy.eviction_period, len(prompt)
         want = max(p, budget + every) if policy.compress_prefill else max(p, budget) + every
         assert stats["capacity"] == min(p + new_tokens, want)
-        # Sinks survive every eviction, in every layer, row and KV head; a kept prompt stays whole, in place.
-        for layer in caches[0].kv_layers:
+        # Sinks survive every eviction, in every (full-attention) layer, row and KV head; a kept prompt stays whole.
+        for layer in caches[0].evicting_layers:
             held = layer.positions[: layer.n_rows, :, : layer.length]
             for s in range(policy.sinks):
                 assert (held == s).any(dim=-1).all(), f"{name}: sink {s} evicted in layer {layer.layer_idx}"

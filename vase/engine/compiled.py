@@ -6,15 +6,20 @@ storage (the static cache's views at the whole capacity, the row masks rebuilt i
 one shape that changes is the number of rows it covers, which a compiled decoder rounds up to a power of two
 (:func:`~vase.engine.cache.row_bucket`; the padding rows are free slots whose writes are masked out and whose logits
 are dropped). So ``torch.compile(fullgraph=True, dynamic=False)`` traces it once per bucket and never again. The
-prefill, eviction and sampling stay eager (they run between forwards).
+token sampling is part of the compiled forward (its counter-based hash fuses into a few kernels); the prefill and
+the eviction stay eager (they run between forwards).
 
 On CUDA the compile mode is ``"reduce-overhead"`` (CUDA-graph capture by torch's cudagraph trees): the cache's
 buffers are marked as static addresses (:func:`mark_static`) so the captured graph reads and writes them in place;
 the token and position inputs are views of preallocated buffers (cudagraph trees copy them into the graph's own
 input buffers: a few bytes per step). Not run on a GPU yet (``docs/architecture.md``).
 
-``auto`` (:func:`compile_choice`) decides per decoder, in one log line: off for policies whose selection runs on the
-host (Quest, SeerAttention-R: their per-layer row grouping and first-step summaries read host lists), off on the CPU
+Selection policies (Quest, SeerAttention-R) are compiled too: their per-row state is made at each row's prefill,
+eagerly (:meth:`~vase.engine.policy.SelectionPolicy.init_state`), and lives in the state store (static addresses);
+inside the forward one ``select`` call per layer covers every row of the step over the span of the views, reading the
+rows' lengths on the device only (:meth:`~vase.engine.layer.VaseLayer.selection_mask`).
+
+``auto`` (:func:`compile_choice`) decides per decoder, in one log line: off on the CPU
 (inductor's compile time there, :data:`MIN_STEPS`; ``on`` compiles, and needs a C++ compiler), off on CUDA when a
 row's output cap is too short to amortise the compile, on otherwise.
 """
@@ -41,11 +46,6 @@ MIN_STEPS = 256
 NO_FLASH = "flash_attn_with_kvcache is a C++ extension call that dynamo cannot trace into a full graph"
 
 
-def host_selection(policy) -> bool:
-    """Whether the policy's decode-time work reads per-row host state inside the forward (selection policies)."""
-    return getattr(policy, "kind", None) == "selection"
-
-
 def compile_choice(
     setting: Any, device: torch.device, policy, expected_steps: int | None, attn_backend: str = "auto"
 ) -> tuple[bool, str]:
@@ -67,11 +67,6 @@ def compile_choice(
         raise ValueError(f"generation.compile: must be one of {', '.join(COMPILE_SETTINGS)}, got {setting!r}")
     if setting == "off":
         return False, "off: set explicitly"
-    if host_selection(policy):
-        why = f"policy {policy.name} selects tokens from host state inside the forward (not compile-clean yet)"
-        if setting == "on":
-            raise ValueError(f"generation.compile=on: {why}; use generation.compile=auto or off")
-        return False, f"auto: off, {why}"
     if attn_backend == "flash_attn":
         if setting == "on":
             raise ValueError(f"generation.compile=on: {NO_FLASH}; use generation.attn_backend=auto or sdpa")
@@ -126,11 +121,14 @@ def mark_static(cache) -> None:
     """Mark every buffer the compiled step reads or writes as a static address (CUDA-graph capture reads them in
     place; call after the first prefill, when the layers' storage exists)."""
     tensors = [cache.lengths_t, cache.pos_t, cache.row_index, cache.held_mask, cache._bias_buf, cache.seqlens_t]
-    tensors += [cache.write_slot, cache.live_t]
+    tensors += [cache.write_slot, cache.live_t, cache.ring_slot, cache.ring_mask, cache._ring_bias_buf]
+    tensors.append(cache.ring_seqlens)
     if cache.attended is not None:
         tensors.append(cache.attended)
     tensors += cache.storage.tensors()  # the stacked storage and every layer's views of it
-    for layer in cache.kv_layers:
+    if cache.policy.kind == "selection":  # the state select() updates in the forward (made at the first prefill)
+        tensors += list(cache.storage.state.store.values())
+    for layer in cache.attention_layers:
         tensors += [t for t in (layer.keys, layer.values, layer.positions, layer.queries) if t is not None]
     tensors += [t for layer in cache.layers for t in _linear_views(layer)]
     for t in tensors:
@@ -147,12 +145,17 @@ def static_inputs(cache) -> dict[str, int]:
         "seqlens_t": cache.seqlens_t.data_ptr(),
         "write_slot": cache.write_slot.data_ptr(),
         "live_t": cache.live_t.data_ptr(),
+        "ring_slot": cache.ring_slot.data_ptr(),
+        "ring_mask": cache.ring_mask.data_ptr(),
     }
-    for i, layer in enumerate(cache.kv_layers):
+    if cache.policy.kind == "selection":
+        for key, t in cache.storage.state.store.items():
+            out[f"state.{key}"] = t.data_ptr()
+    for layer in cache.attention_layers:
         for name in ("keys", "values", "positions", "queries"):
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor):
-                out[f"layer{i}.{name}"] = t.data_ptr()
+                out[f"layer{layer.layer_idx}.{name}"] = t.data_ptr()
     for layer in cache.layers:
         for name, t in zip(("conv", "recurrent"), _linear_views(layer)):
             out[f"linear{layer.layer_idx}.{name}"] = t.data_ptr()

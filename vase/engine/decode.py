@@ -42,7 +42,7 @@ import torch
 from vase.engine.attention import attention_report, backend_choice, vase_attention
 from vase.engine.cache import VaseCache, cache_capacity, row_buckets, to_device
 from vase.engine.compiled import NO_FLASH, compile_choice, compile_forward, compile_mode, mark_static
-from vase.engine.geometry import model_geometry
+from vase.engine.geometry import has_attention_sinks, model_geometry
 from vase.engine.policy import Policy
 from vase.engine.requests import DecodeStats, Finished, Request, StepInfo, _Row
 from vase.engine.rng import TOKEN_SALT, RowRNG, row_keys
@@ -135,7 +135,9 @@ class Decoder:
         self.compiled, self.compile_reason = compile_choice(compile, self.device, policy, expected, attn_backend)
         self.compile_setting = compile
         logger.info("decode step compile: %s (%s)", "on" if self.compiled else "off", self.compile_reason)
-        self.backend, self.backend_reason = backend_choice(attn_backend, self.device, param.dtype)
+        self.backend, self.backend_reason = backend_choice(
+            attn_backend, self.device, param.dtype, sinks=has_attention_sinks(model)
+        )
         if self.compiled and self.backend == "flash_attn":  # auto: the compiled step cannot trace flash-attn's call
             self.backend, self.backend_reason = "sdpa", f"auto: sdpa, the compiled step runs SDPA ({NO_FLASH})"
         logger.info("attention backend: %s (%s)", self.backend, self.backend_reason)
@@ -420,7 +422,7 @@ class Decoder:
         g = self.geometry
         attended = st.pop("attended_tokens_sum")
         if attended is not None:
-            attended = attended / (row.steps * g.num_q_heads * g.num_layers) if row.steps else None
+            attended = attended / (row.steps * g.num_q_heads * len(g.full_layers)) if row.steps else None
         stats = {
             "decode_steps": row.steps,
             "evictions": st["evictions"],

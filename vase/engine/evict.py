@@ -64,7 +64,7 @@ def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: in
         return sub.view(rows, *t.shape[2:])
 
     keys, values, positions = fold(st.keys), fold(st.values), fold(st.positions)
-    layer_ids = cache.fold_layer_ids[:rows]  # (R * L,) int64: i % L
+    layer_ids = cache.fold_layer_ids[:rows]  # (R * L,) int64: the model's index of full layer i % L
     pos = cache.pos_t[idx]  # (R,)
     pos_rows = pos[:, None].expand(n, n_layers).reshape(rows)
     key_rows = cache.evict_key[idx][:, None].expand(n, n_layers, 2).reshape(rows, 2)
@@ -112,7 +112,7 @@ def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: in
         taken = flat.index_select(0, src)
         flat.index_copy_(0, dst, taken)
         gathered_p = taken
-    for layer in cache.kv_layers:
+    for layer in cache.evicting_layers:  # the full-attention layers (sliding layers are never evicted)
         layer.counters.evictions += n
     cache.record_eviction(slots, n_layers)
     cache.clock.stop(start, functools.partial(_credit, cache, list(slots)))
@@ -120,14 +120,14 @@ def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: in
         kept_p = gathered_p.view(n, n_layers, heads, budget - pinned)[..., :n_keep]
         per_layer = keep.view(n, n_layers, heads, n_keep)
         row_ids = [cache.row_ids[r] for r in slots]
-        for li, layer in enumerate(cache.kv_layers):
+        for li, layer in enumerate(cache.evicting_layers):
             cache.on_evict(layer, row_ids, per_layer[:, li], kept_p[:, li])
 
 
 def _credit(cache: Any, slots: list[int], seconds: float) -> None:
     """An event's ``seconds``: shared evenly by its layers' counters and by its rows (:meth:`credit_seconds`)."""
-    share = seconds / len(cache.kv_layers)
-    for layer in cache.kv_layers:
+    share = seconds / len(cache.evicting_layers)
+    for layer in cache.evicting_layers:
         layer.counters.eviction_seconds += share
     cache.credit_seconds(slots, seconds)
 
@@ -137,7 +137,7 @@ def fold_rows(cache: Any, idx, n: int) -> torch.Tensor:
     n_layers = cache.storage.layers
     if isinstance(idx, slice):
         return cache.fold_row_ids[idx.start * n_layers : (idx.start + n) * n_layers]
-    return (idx[:, None] * n_layers + cache.fold_layer_ids[:n_layers]).view(-1)
+    return (idx[:, None] * n_layers + cache.fold_local_ids[:n_layers]).view(-1)
 
 
 def ring_positions(pos: torch.Tensor, last: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,11 +28,10 @@ class GenerationOutput:
         finish_reasons: per sample, one of :data:`FINISH_REASONS`.
         prompt_len: prompt tokens.
         stats: ``prefill_seconds``, ``decode_seconds``, ``decode_tokens``, ``decode_steps_rows``, ``kv_cache_bytes``
-            (allocated), ``kv_cache_bytes_expected`` (rows × capacity), ``aux_bytes``, ``linear_state_bytes`` (a
-            hybrid model's linear-attention states), ``capacity``, ``evictions`` (events summed over rows and layers),
-            ``eviction_seconds``, ``attended_tokens`` (mean per step, row, query head and layer; selection policies),
-            ``held_tokens`` (mean held per layer/row/head over decode steps), ``finish_step`` per sample,
-            ``attn_backend``, ``per_sample`` (each :class:`Finished`'s stats).
+            (allocated), ``kv_cache_bytes_expected`` (rows × capacity), ``aux_bytes``, ``capacity``, ``evictions``
+            (events summed over rows and layers), ``eviction_seconds``, ``attended_tokens`` (mean per step, row, query
+            head and layer; selection policies), ``held_tokens`` (mean held per layer/row/head over decode steps),
+            ``finish_step`` per sample, ``attn_backend``, ``per_sample`` (each :class:`Finished`'s stats).
     """
 
     tokens: list[list[int]]
@@ -138,7 +137,6 @@ def generate(
         "kv_cache_bytes": cache.kv_bytes(),
         "kv_cache_bytes_expected": g.kv_bytes,
         "aux_bytes": cache.aux_bytes(),
-        "linear_state_bytes": cache.linear_bytes(),
         "capacity": g.capacity,
         "evictions": cache.evictions(),
         "eviction_seconds": cache.eviction_seconds(),

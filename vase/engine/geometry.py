@@ -4,6 +4,12 @@
 policies (``E`` = the policy's eviction period, ``window`` by default; ``max(P, budget + E)`` when the prompt is
 compressed at the prefill) and ``P + max_new_tokens`` for the full cache and selection policies, ``P`` being the
 longest prompt the cache will hold (method.md §2: nothing grows during decoding).
+
+Layer types (``CacheGeometry.layer_types``, from the config's ``layer_types``): ``full_attention`` layers hold the
+eviction cache above (the policy's budget applies to them); ``sliding_attention`` layers a static ring of the
+model's window per row (``sliding_window`` slots, never scored or evicted); ``linear_attention`` layers of a hybrid
+model (Qwen3.5, Qwen3-Next) a fixed conv and recurrent state per row (``CacheGeometry.linear``, no tokens).
+:attr:`CacheGeometry.kv_bytes_by_type` accounts them apart, in a dict keyed by layer type.
 """
 
 from __future__ import annotations
@@ -13,8 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vase.engine.linear_state import LinearShape, attention_layer_ids, text_config
+from vase.engine.linear_state import LINEAR, LinearShape, text_config
 from vase.engine.policy import Policy
+
+#: the layer types the cache knows (transformers' ``config.layer_types`` names)
+LAYER_TYPES = ("full_attention", "sliding_attention", LINEAR)
 
 
 @dataclass
@@ -36,9 +45,11 @@ class CacheGeometry:
         capacity: token slots per (layer, row, KV head).
         dtype, device: of the storage.
         prompt_len: the longest prompt the capacity was sized for (informational).
+        layer_types: each layer's type (``full_attention`` / ``sliding_attention`` / ``linear_attention``), ``None``:
+            all full attention.
+        sliding_window: the sliding layers' window (their ring's slots), ``None`` without sliding layers.
         linear: a hybrid model's linear-attention layers (:class:`~vase.engine.linear_state.LinearShape`: a fixed
-            state per row, no KV), else ``None``; ``num_layers`` then counts the KV (full-attention) layers only.
-        layer_types: each model layer's type (``config.layer_types``), with ``linear``.
+            state per row, no K and V), ``None`` without any.
     """
 
     num_layers: int
@@ -50,8 +61,51 @@ class CacheGeometry:
     dtype: torch.dtype
     device: torch.device
     prompt_len: int = 0
-    linear: LinearShape | None = None
     layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    linear: LinearShape | None = None
+
+    def __post_init__(self) -> None:
+        types = self.types
+        if len(types) != self.num_layers or set(types) - set(LAYER_TYPES):
+            raise ValueError(f"CacheGeometry: layer_types {types} for {self.num_layers} layers; known: {LAYER_TYPES}")
+        if ("sliding_attention" in types) != (self.sliding_window is not None):
+            raise ValueError(f"CacheGeometry: sliding_window={self.sliding_window} with layer_types {set(types)}")
+        if self.linear is not None and tuple(self.linear.layer_ids) != tuple(self.layers_of(LINEAR)):
+            raise ValueError(f"CacheGeometry: linear layers {self.linear.layer_ids} with layer_types {types}")
+        if self.linear is None and LINEAR in types:
+            raise ValueError(f"CacheGeometry: layer_types {types} have linear-attention layers but no linear shape")
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        """Each layer's type (all ``full_attention`` when :attr:`layer_types` is ``None``)."""
+        return tuple(self.layer_types) if self.layer_types is not None else ("full_attention",) * self.num_layers
+
+    def layers_of(self, kind: str) -> list[int]:
+        """The model's layer indices of type ``kind``, in order."""
+        return [i for i, t in enumerate(self.types) if t == kind]
+
+    @property
+    def full_layers(self) -> list[int]:
+        """The full-attention layers: the ones a policy evicts from (or selects in)."""
+        return self.layers_of("full_attention")
+
+    @property
+    def bytes_per_token_of_layer(self) -> int:
+        """K and V bytes of one token of one layer (all its KV heads)."""
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes of one held token over the full-attention layers (those whose cache the policy sizes)."""
+        return len(self.full_layers) * self.bytes_per_token_of_layer
+
+    def slots_of(self, kind: str) -> int:
+        """Token slots per row of one layer of type ``kind``: the capacity, the sliding window (its ring), or 0 (a
+        linear-attention layer holds no tokens)."""
+        if kind == LINEAR:
+            return 0
+        return self.sliding_window if kind == "sliding_attention" else self.capacity
 
     @property
     def linear_bytes_per_row(self) -> int:
@@ -59,15 +113,36 @@ class CacheGeometry:
         return 0 if self.linear is None else self.linear.bytes_per_row(self.dtype)
 
     @property
-    def bytes_per_token(self) -> int:
-        """K and V bytes of one token over all layers and KV heads."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+    def kv_bytes_by_type(self) -> dict[str, int]:
+        """Static cache bytes of one row per layer type: ``{type: layers of it x slots x bytes per token}``; the
+        ``linear_attention`` entry is the linear layers' conv and recurrent state (:attr:`linear_bytes_per_row`)."""
+        return {
+            kind: self.linear_bytes_per_row
+            if kind == LINEAR
+            else len(self.layers_of(kind)) * self.slots_of(kind) * self.bytes_per_token_of_layer
+            for kind in LAYER_TYPES
+            if kind in self.types
+        }
+
+    def held_bytes_by_type(self, held: float, seq_len: float) -> dict[str, float]:
+        """K and V bytes one row holds per layer type when its full-attention layers hold ``held`` tokens of a
+        sequence of ``seq_len``: a sliding layer holds ``min(seq_len, window)`` (its ring), a linear-attention layer
+        its fixed state whatever the length."""
+        per_layer = self.bytes_per_token_of_layer
+        out = {}
+        for kind in LAYER_TYPES:
+            n = len(self.layers_of(kind))
+            if n and kind == LINEAR:
+                out[kind] = float(self.linear_bytes_per_row)
+            elif n:
+                tokens = min(seq_len, self.sliding_window) if kind == "sliding_attention" else held
+                out[kind] = n * tokens * per_layer
+        return out
 
     @property
     def kv_bytes_per_row(self) -> int:
-        """Bytes of K and V storage of one row: ``2 * layers * H * capacity * D * itemsize``."""
-        return self.bytes_per_token * self.capacity
+        """Bytes of K and V storage of one row over every layer type (:attr:`kv_bytes_by_type`)."""
+        return sum(self.kv_bytes_by_type.values())
 
     @property
     def kv_bytes(self) -> int:
@@ -92,12 +167,13 @@ def cache_capacity(policy: Policy, prompt_len: int, max_new_tokens: int) -> int:
 
 
 def aux_bytes_per_row(geometry: CacheGeometry, policy: Policy) -> int:
-    """Bytes of one row's side buffers: positions (int64 per held slot) and the query ring (if the policy needs it)."""
+    """Bytes of one row's side buffers: positions (int64 per held slot, every layer type) and the query ring of the
+    full-attention layers (if the policy needs it)."""
     g = geometry
     itemsize = torch.empty((), dtype=g.dtype).element_size()
-    total = g.num_layers * g.num_kv_heads * g.capacity * 8
+    total = sum(len(g.layers_of(k)) * g.slots_of(k) for k in set(g.types)) * g.num_kv_heads * 8
     if policy.needs_queries:
-        total += g.num_layers * g.num_q_heads * policy.window * g.head_dim * itemsize
+        total += len(g.full_layers) * g.num_q_heads * policy.window * g.head_dim * itemsize
     return total
 
 
@@ -116,13 +192,14 @@ def model_geometry(model, rows: int, capacity: int, prompt_len: int = 0) -> Cach
 def config_geometry(
     config, rows: int, capacity: int, dtype: torch.dtype, device: torch.device, prompt_len: int = 0
 ) -> CacheGeometry:
-    """The cache geometry of a model from its config alone (no weights; a multimodal checkpoint's language model): a
-    hybrid model's KV layers are its full-attention ones, its linear-attention layers are ``linear``."""
+    """The cache geometry of a model from its config alone (no weights: the preflight's memory check sizes a row
+    with it; a multimodal checkpoint's language model): every layer with its type (:func:`config_layer_types`), a
+    hybrid model's linear-attention layers' state shape in ``linear``."""
     cfg = text_config(config)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    linear = LinearShape.of(cfg)
+    types, window = config_layer_types(cfg)
     return CacheGeometry(
-        num_layers=len(attention_layer_ids(cfg)),
+        num_layers=cfg.num_hidden_layers,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         num_q_heads=cfg.num_attention_heads,
         head_dim=head_dim,
@@ -131,9 +208,32 @@ def config_geometry(
         dtype=dtype,
         device=torch.device(device),
         prompt_len=prompt_len,
-        linear=linear,
-        layer_types=None if linear is None else tuple(cfg.layer_types),
+        layer_types=types,
+        sliding_window=window,
+        linear=LinearShape.of(cfg),
     )
+
+
+def config_layer_types(config) -> tuple[tuple[str, ...], int | None]:
+    """``(layer types, sliding window)`` of a transformers config: its ``layer_types`` (every layer
+    ``full_attention`` when it has none and no window is in force; every layer ``sliding_attention`` when it has a
+    window in force but no ``layer_types``, as Mistral and Phi-3 apply it) and the window (``None`` without sliding
+    layers). Qwen-style configs switch the window with ``use_sliding_window``."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", True):
+        window = None
+    types = tuple(getattr(config, "layer_types", None) or ())
+    if not types:
+        types = ("sliding_attention" if window is not None else "full_attention",) * n
+    if "sliding_attention" not in types:
+        window = None
+    return types, window
+
+
+def has_attention_sinks(model) -> bool:
+    """Whether the model's attention layers carry learned sink logits (gpt-oss's ``self_attn.sinks``)."""
+    return any(name.endswith("self_attn.sinks") for name, _ in model.named_parameters())
 
 
 def partial_rope(config) -> str | None:

@@ -5,6 +5,10 @@ forward: the prefill write (one prompt into the rows of its samples), the decode
 the row's own length), the query ring and the call to a selection policy (Quest, SeerAttention-R). The storage of
 every layer is one tensor per kind (:mod:`vase.engine.storage`); eviction runs once for all layers
 (:mod:`vase.engine.evict`). The layer knows its cache only as ``owner`` (duck-typed: no import of the cache module).
+
+A layer is of a type (``kind``): ``full_attention`` (the eviction cache, the policy's budget) or
+``sliding_attention`` (a ring of the model's window per row, :mod:`vase.engine.storage`: the token of position ``p``
+in slot ``p % window``; never scored, evicted or selected in; its queries are not recorded).
 """
 
 from __future__ import annotations
@@ -34,10 +38,14 @@ class VaseLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, layer_idx: int, owner: Any):
+    def __init__(self, layer_idx: int, owner: Any, kind: str = "full_attention", store_idx: int | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.owner = owner  # the VaseCache
+        self.kind = kind
+        self.is_sliding = kind == "sliding_attention"
+        self.window: int | None = owner.geometry.sliding_window if self.is_sliding else None
+        self.store_idx = layer_idx if store_idx is None else store_idx  # index in its storage (full or ring)
         self.positions: torch.Tensor | None = None
         self.queries: torch.Tensor | None = None
         self.last_call_pos: torch.Tensor | None = None
@@ -49,18 +57,22 @@ class VaseLayer(CacheLayerMixin):
         owner = self.owner
         if not owner.storage.allocated:
             owner.storage.allocate(key_states.dtype, key_states.device)
-            for layer in owner.kv_layers:
+            for layer in owner.attention_layers:
                 layer.bind()
         self.bind()
 
     def bind(self) -> None:
         """Take this layer's views of the (allocated) stacked storage."""
-        st, i = self.owner.storage, self.layer_idx
+        st, i = self.owner.storage, self.store_idx
+        self.device = st.keys.device
+        self.is_initialized = True
+        if self.is_sliding:  # (rows, H, window, D) ring views; no query ring
+            self.keys, self.values = st.ring_keys[:, i], st.ring_values[:, i]
+            self.positions = st.ring_positions[:, i]
+            return
         self.keys, self.values, self.positions = st.keys[:, i], st.values[:, i], st.positions[:, i]
         if st.queries is not None:
             self.queries, self.last_call_pos = st.queries[:, i], st.last_call_pos[:, i]
-        self.device = st.keys.device
-        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append the new keys/values in place; return what the attention runs over.
@@ -75,6 +87,8 @@ class VaseLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.is_sliding:
+            return self._update_ring(key_states, value_states)
         owner = self.owner
         if owner.prefilling is not None:
             slots, n_new = owner.prefilling, key_states.shape[-2]
@@ -109,9 +123,76 @@ class VaseLayer(CacheLayerMixin):
         length = owner.step_length
         return self.keys[:b, :, :length], self.values[:b, :, :length]
 
+    def _update_ring(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A sliding layer's :meth:`update`: the ring of the window.
+
+        Prefill ``(1, H, P, D)``: the prompt's last ``min(P, window)`` tokens go to slots ``p % window`` of every
+        admitted row (the other slots zero, position ``-1``); returns the prompt's own keys/values (the prefill
+        attends over the prompt with the window band). Decode ``(b, H, 1, D)``: each row's token to slot
+        ``position % window`` (``owner.ring_slot``, built by ``prepare_step``); returns the rings ``(b, H, window,
+        D)``, masked by the attention to the valid slots (:meth:`key_bias`).
+        """
+        owner, w = self.owner, self.window
+        if owner.prefilling is not None:
+            slots, p = owner.prefilling, key_states.shape[-2]
+            take = min(p, w)
+            pos = torch.arange(p - take, p, device=key_states.device)
+            ring = pos % w
+            rk = key_states.new_zeros((1, *self.keys.shape[1:]))
+            rv = value_states.new_zeros((1, *self.values.shape[1:]))
+            rp = torch.full((1, *self.positions.shape[1:]), -1, dtype=torch.long, device=key_states.device)
+            rk[:, :, ring] = key_states[:, :, p - take :]
+            rv[:, :, ring] = value_states[:, :, p - take :]
+            rp[:, :, ring] = pos
+            span = span_of(slots)
+            if span is not None:
+                self.keys[span], self.values[span], self.positions[span] = rk, rv, rp
+            else:
+                idx, k = owner.index(slots), len(slots)
+                self.keys.index_copy_(0, idx, rk.expand(k, -1, -1, -1).contiguous())
+                self.values.index_copy_(0, idx, rv.expand(k, -1, -1, -1).contiguous())
+                self.positions.index_copy_(0, idx, rp.expand(k, -1, -1).contiguous())
+            return key_states, value_states
+        b = owner.step_rows
+        rows, slot = owner.row_index[:b], owner.ring_slot[:b]
+        k_new, v_new, p_new = key_states[:, :, 0], value_states[:, :, 0], owner.pos_t[:b, None]
+        if owner.bucketed:  # padding rows (free slots) write back what their slot holds
+            live = owner.live_t[:b, None]
+            k_new = torch.where(live[..., None], k_new, self.keys[rows, :, slot])
+            v_new = torch.where(live[..., None], v_new, self.values[rows, :, slot])
+            p_new = torch.where(live, p_new, self.positions[rows, :, slot])
+        self.keys[rows, :, slot] = k_new
+        self.values[rows, :, slot] = v_new
+        self.positions[rows, :, slot] = p_new
+        return self.keys[:b], self.values[:b]
+
+    def key_mask(self, n: int, length: int) -> torch.Tensor:
+        """``(n, length)`` bool: the slots a decode step's query of each row attends to (its held tokens; a sliding
+        layer: its ring's valid slots, ``owner.ring_mask``)."""
+        return self.owner.ring_mask[:n] if self.is_sliding else self.owner.length_mask(n, length)
+
+    def key_bias(self, n: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`key_mask` as SDPA's fused kernels take it: ``(n, 1, 1, length)`` additive in ``dtype``."""
+        if not self.is_sliding:
+            return self.owner.length_bias(n, length, dtype)
+        if dtype == self.owner.ring_bias.dtype:
+            return self.owner.ring_bias[:n]
+        return torch.zeros((n, 1, 1, length), dtype=dtype, device=self.device).masked_fill_(
+            ~self.key_mask(n, length)[:, None, None], float("-inf")
+        )
+
+    def seqlens_i32(self) -> torch.Tensor:
+        """``(step_rows,)`` int32: the slots each row's query attends to, a prefix of its storage (FlashAttention's
+        ``cache_seqlens``): the held tokens after this step's append, or a ring's valid slots."""
+        owner = self.owner
+        return (owner.ring_seqlens if self.is_sliding else owner.seqlens_t)[: owner.step_rows]
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        """Decode: the slots the views :meth:`update` returns span (``owner.step_length``); prefill: the prompt."""
-        return self.owner.step_length if self.owner.prefilling is None else query_length, 0
+        """Decode: the slots the views :meth:`update` returns span (``owner.step_length``, a sliding layer's window);
+        prefill: the prompt."""
+        if self.owner.prefilling is not None:
+            return query_length, 0
+        return (self.window if self.is_sliding else self.owner.step_length), 0
 
     def get_seq_length(self) -> int:
         """The longest live row's held length; during a decode forward the span of the views
@@ -119,10 +200,11 @@ class VaseLayer(CacheLayerMixin):
         return self.owner.step_length if self.owner.stepping else self.owner.length
 
     def get_max_length(self) -> int:
-        return self.owner.geometry.capacity
+        return self.window if self.is_sliding else self.owner.geometry.capacity
 
     def reset(self) -> None:
-        self.owner.storage.state.clear_layer(self.layer_idx)
+        if not self.is_sliding:
+            self.owner.storage.state.clear_layer(self.store_idx)
 
     # ---- compatibility views (tests, analyses) ---------------------------------------------------------------
     @property
@@ -162,68 +244,72 @@ class VaseLayer(CacheLayerMixin):
         ``query``: ``(n, Hq, 1, D)`` the step's post-RoPE queries (decode steps only; the prefill attends to all).
         Returns ``(n, H, L)`` (per KV head) or ``(n, Hq, L)`` (per query head) bool, as the policy chose (see
         :class:`~vase.engine.policy.SelectionPolicy`), with each row's length mask applied.
+
+        One call for the step's rows ``[0, n)`` (``n = owner.step_rows``): every row has the same state keys (made at
+        its prefill, :meth:`init_selection_state`), so no rows are grouped on the host; the inputs are the rows'
+        device lengths and views of the storage and state store (static addresses), and the call reads no per-row host
+        state, so the compiled step (:mod:`vase.engine.compiled`) traces it once per row bucket.
         """
         owner = self.owner
         policy = owner.policy
-        if policy.kind != "selection":
+        if policy.kind != "selection" or self.is_sliding:  # selection applies to full-attention layers only
             return None
         n, length = owner.step_rows, owner.step_length  # the span of every row's view this step
         n_kv, n_q = self.keys.shape[1], query.shape[1]
-        masks: list[tuple[list[int], torch.Tensor | None]] = []
-        for slots in self._groups(list(range(n))):
-            idx = owner.index(slots)
-            state = self._state_for(slots, idx)
-            lengths_host = [owner.lengths[r] + 1 for r in slots]  # after this step's append
-            mask = policy.select(
-                SelectionInputs(
-                    query=query[idx],
-                    keys=self.keys[idx, :, :length],
-                    length=length,
-                    lengths=owner.lengths_t[idx] + 1,
-                    lengths_host=lengths_host,
-                    capacity=self.keys.shape[2],
-                    n_new=1,
-                    layer_idx=self.layer_idx,
-                    state=state,
-                    positions=self.positions[idx, :, :length],
-                )
+        views = owner.storage.state.layer_views(self.store_idx, n)
+        state = dict(views)
+        mask = policy.select(
+            SelectionInputs(
+                query=query,
+                keys=self.keys[:n, :, :length],
+                length=length,
+                # after this step's append; a padding row of a bucket (a free slot) may hold anything up to the span
+                lengths=torch.clamp(owner.lengths_t[:n] + 1, max=length),
+                capacity=self.keys.shape[2],
+                n_new=1,
+                layer_idx=self.layer_idx,
+                state=state,
+                positions=self.positions[:n, :, :length],
             )
-            self._put_state(slots, idx, state)
-            if mask is not None and (mask.dim() != 3 or mask.shape[1] not in (n_kv, n_q) or mask.shape[2] != length):
-                raise RuntimeError(
-                    f"policy {policy.name}: select() returned {tuple(mask.shape)}, expected ({len(slots)}, {n_kv} or "
-                    f"{n_q}, {length})"
-                )
-            masks.append((slots, mask))
-        if all(m is None for _, m in masks):
+        )
+        if not torch.compiler.is_compiling():
+            self._check_state(views, state)
+        if mask is None:
             owner.add_attended(None, n_q)
             return None
-        # One head axis for the whole step: per query head if any group's mask is (a KV-head mask is then repeated).
-        heads = n_q if any(m is not None and m.shape[1] == n_q for _, m in masks) else n_kv
-        full = torch.ones((n, heads, length), dtype=torch.bool, device=query.device)
-        for slots, mask in masks:
-            if mask is not None:
-                if mask.shape[1] != heads:
-                    mask = mask.repeat_interleave(heads // mask.shape[1], dim=1)
-                full[owner.index(slots)] = mask
-        full &= owner.length_mask(n, length)[:, None, :]
-        owner.add_attended(full, n_q)
-        return full
+        if mask.dim() != 3 or mask.shape[0] != n or mask.shape[1] not in (n_kv, n_q) or mask.shape[2] != length:
+            raise RuntimeError(
+                f"policy {policy.name}: select() returned {tuple(mask.shape)}, expected ({n}, {n_kv} or {n_q}, "
+                f"{length})"
+            )
+        mask = mask & owner.length_mask(n, length)[:, None, :]
+        owner.add_attended(mask, n_q)
+        return mask
 
     # ---- policy state (selection policies, per layer) ----------------------------------------------------------
-    def _groups(self, slots: list[int]) -> list[list[int]]:
-        """Split ``slots`` into groups of rows with the same state keys on this layer, order kept."""
-        keys = self.owner.storage.state.keys[self.layer_idx]
-        groups: dict[Any, list[int]] = {}
-        for r in slots:
-            groups.setdefault(keys[r], []).append(r)
-        return list(groups.values())
+    def init_selection_state(self, slots: list[int], prompt_len: int) -> None:
+        """After a prompt's prefill into rows ``slots``: the selection policy's state of those rows on this layer
+        (:meth:`~vase.engine.policy.SelectionPolicy.init_state` of the prompt's keys, once, batch 1; every row of the
+        prompt holds the same), written into the state store. Eager, outside any decode forward."""
+        owner = self.owner
+        r = slots[0]
+        keys, positions = self.keys[r : r + 1, :, :prompt_len], self.positions[r : r + 1, :, :prompt_len]
+        state = owner.policy.init_state(keys, positions, [prompt_len], self.layer_idx, self.keys.shape[2])
+        if state:
+            owner.storage.state.fill(slots, owner.index(slots), state, self.store_idx, owner.policy.name)
 
-    def _state_for(self, slots: list[int], idx) -> dict:
-        """The rows' state dict on this layer: views of the store for a contiguous run of rows, copies otherwise."""
-        state = self.owner.storage.state
-        return state.get(state.keys[self.layer_idx][slots[0]], idx, len(slots), self.layer_idx)
-
-    def _put_state(self, slots: list[int], idx, state: dict) -> None:
-        """Store the rows' state on this layer after a policy call (no copy when the policy updated the views)."""
-        self.owner.storage.state.put(slots, idx, state, self.layer_idx, self.owner.policy.name)
+    def _check_state(self, views: dict, state: dict) -> None:
+        """A policy's ``select`` updates its state in place: a key it added or a tensor it replaced is an error (eager
+        steps check; the compiled step traces the same code)."""
+        name = self.owner.policy.name
+        added = sorted(set(state) - set(views))
+        if added:
+            raise RuntimeError(
+                f"policy {name}: select() added state[{added[0]!r}]; create per-row state in init_state() (the engine "
+                "calls it at each row's prefill)"
+            )
+        replaced = [k for k in views if state.get(k) is not views[k]]
+        if replaced:
+            raise RuntimeError(
+                f"policy {name}: select() replaced state[{replaced[0]!r}]; update the state tensors in place"
+            )

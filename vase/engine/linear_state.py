@@ -26,15 +26,16 @@ what :class:`LinearLayer` answers:
 
 A row's state moves and is cleared with the row (:class:`~vase.engine.storage.CacheStorage` calls
 :meth:`LinearStates.move_row` / :meth:`LinearStates.clear_row` at admission, release and ``move_row``). No policy sees
-these layers: the eviction event and selection run on the full-attention layers only, whose ordinal (not the model's
-layer index) is their ``layer_idx`` in the engine. No host synchronisation and static shapes: every write is a device
-copy into the same storage.
+these layers: the eviction event and selection run on the full-attention layers only (``geometry.full_layers``; a
+policy's layer index is the model's own, as for a sliding model). No host synchronisation and static shapes: every
+write is a device copy into the same storage.
 
 This module imports nothing else of the engine (the cache is duck-typed as ``owner``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,18 +53,6 @@ def text_config(config):
     """The language model's config: ``config.text_config`` of a multimodal checkpoint (Qwen3.5), else ``config``."""
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
-
-
-def layer_types(config) -> list[str]:
-    """Each model layer's type (``config.layer_types``; all ``full_attention`` when the config has none)."""
-    cfg = text_config(config)
-    types = getattr(cfg, "layer_types", None)
-    return list(types) if types else ["full_attention"] * cfg.num_hidden_layers
-
-
-def attention_layer_ids(config) -> list[int]:
-    """Model indices of the layers that hold a KV cache (every layer but the linear-attention ones)."""
-    return [i for i, t in enumerate(layer_types(config)) if t != LINEAR]
 
 
 @dataclass(frozen=True)
@@ -86,10 +75,10 @@ class LinearShape:
     @classmethod
     def of(cls, config) -> LinearShape | None:
         """The shape of ``config``'s linear layers, or ``None`` for a model without any."""
-        ids = tuple(i for i, t in enumerate(layer_types(config)) if t == LINEAR)
+        cfg = text_config(config)
+        ids = tuple(i for i, t in enumerate(getattr(cfg, "layer_types", None) or ()) if t == LINEAR)
         if not ids:
             return None
-        cfg = text_config(config)
         k_heads, v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         k_dim, v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
@@ -101,13 +90,6 @@ class LinearShape:
         conv = self.conv_dim * self.kernel * torch.empty((), dtype=dtype).element_size()
         rec = self.v_heads * self.k_dim * self.v_dim * torch.empty((), dtype=RECURRENT_DTYPE).element_size()
         return len(self.layer_ids) * (conv + rec)
-
-
-def linear_state_bytes_per_row(config, dtype: torch.dtype) -> int:
-    """State bytes of one row over the linear-attention layers of ``config`` (0 without any); the accounting's
-    ``linear_attention`` entry."""
-    shape = LinearShape.of(config)
-    return 0 if shape is None else shape.bytes_per_row(dtype)
 
 
 class LinearStates:
@@ -152,6 +134,7 @@ class LinearLayer(LinearAttentionCacheLayerMixin):
     states.
     """
 
+    kind = LINEAR
     is_sliding = False
     supports_early_init = False
     record_past = False
@@ -237,13 +220,13 @@ class LinearLayer(LinearAttentionCacheLayerMixin):
         raise NotImplementedError("the vase cache does not crop (no speculative decoding)")
 
 
-def interleave(kv_layers: list, owner: Any, states: LinearStates | None, config_types: list[str] | None) -> list:
-    """The cache's ``layers`` in the model's order: the attention layers ``kv_layers`` (in order) at the attention
-    indices, a :class:`LinearLayer` at each linear index; ``kv_layers`` itself for a model without linear layers."""
-    if states is None or not config_types:
-        return kv_layers
-    out, kv, lin = [], iter(kv_layers), 0
-    for i, t in enumerate(config_types):
+def interleave(attention_layers: list, owner: Any, states: LinearStates | None, types: Sequence[str]) -> list:
+    """The cache's ``layers`` in the model's order: the K/V layers ``attention_layers`` (full and sliding, in order)
+    at their indices, a :class:`LinearLayer` at each linear index of ``types`` (each model layer's type)."""
+    if states is None:
+        return list(attention_layers)
+    out, kv, lin = [], iter(attention_layers), 0
+    for i, t in enumerate(types):
         if t == LINEAR:
             out.append(LinearLayer(i, lin, owner, states))
             lin += 1

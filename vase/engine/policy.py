@@ -154,35 +154,50 @@ class EvictionInputs:
 class SelectionInputs:
     """What the engine hands a selection policy at one decode step of one layer.
 
-    The engine calls :meth:`SelectionPolicy.select` at every decode step for every live row (the prompt is encoded
-    with full causal attention), so state updated incrementally stays in step with the cache.
+    The engine calls :meth:`SelectionPolicy.select` at every decode step for every row of the step (the prompt is
+    encoded with full causal attention), so state updated incrementally stays in step with the cache. Nothing here is
+    per-row host state: the compiled decode step (:mod:`vase.engine.compiled`) traces ``select`` once per bucket of
+    rows, so its shapes may depend on ``length`` and ``capacity`` (run constants of a bucket) but never on a row's
+    length, which is on the device only.
 
     Attributes:
         query: ``(B, Hq, 1, D)`` post-RoPE query of the current step.
         keys: ``(B, H, L, D)`` held post-RoPE keys; row ``b`` holds ``lengths[b] <= L`` tokens (its current token at
             index ``lengths[b] - 1``); slots past a row's length are not its tokens. A selection policy's rows are never
             compacted, so slots are in position order.
-        positions: ``(B, H, L)`` int64 absolute positions of the held tokens (a view of the engine's storage; read
-            only), e.g. to undo RoPE (SeerAttention-R's gate works on pre-RoPE queries and keys).
-        length: ``L``, the longest row's held length after this step's append.
-        lengths: ``(B,)`` int64 tokens held by each row (on the device).
-        lengths_host: the same as a list of ints (no device synchronisation needed to read it).
+        length: ``L``, the slots every row's view spans this step (the capacity in a compiled step; at least the
+            longest row's held length after this step's append).
+        lengths: ``(B,)`` int64 tokens held by each row after this step's append (on the device). In a compiled step
+            the padding rows of a bucket (free slots, their output dropped) hold stale lengths in ``[1, L]``.
         capacity: token slots per row of the static storage (an upper bound for every row's length).
         n_new: tokens appended by this forward call (always 1).
         layer_idx: index of the layer.
-        state: the rows' persistent state on this layer (row-first tensors, as for eviction).
+        state: the rows' persistent state on this layer, ``{key: (B, ...) tensor}``: views of the engine's store,
+            created for every row at its prefill by :meth:`SelectionPolicy.init_state`; ``select`` updates them in
+            place (it must not add keys). Empty when a caller other than the engine passes no state: the policy then
+            creates it (:meth:`SelectionInputs.host_lengths`).
+        positions: ``(B, H, L)`` int64 absolute positions of the held tokens (a view of the engine's storage; read
+            only), e.g. to undo RoPE (SeerAttention-R's gate works on pre-RoPE queries and keys).
+        lengths_host: ``lengths`` as a list of ints, from a caller other than the engine (tests); the engine passes
+            ``None`` (a compiled step reads no host state).
     """
 
     query: torch.Tensor
     keys: torch.Tensor
     length: int
     lengths: torch.Tensor
-    lengths_host: list[int]
     capacity: int
     n_new: int
     layer_idx: int
     state: dict = field(default_factory=dict)
     positions: torch.Tensor | None = None
+    lengths_host: list[int] | None = None
+
+    def host_lengths(self) -> list[int]:
+        """``lengths`` on the host: ``lengths_host`` if given, else read from the device (a sync). Only for creating
+        state a caller did not pass (never in the engine's decode, where :meth:`SelectionPolicy.init_state` made it
+        at the prefill)."""
+        return list(self.lengths_host) if self.lengths_host is not None else self.lengths.tolist()
 
 
 @dataclass
@@ -421,11 +436,25 @@ class SelectionPolicy(Policy):
             f"must be an integer >= 1 (tokens attended per step), got {self.budget!r} (set budget= or ratio=)",
         )
 
+    def init_state(
+        self, keys: torch.Tensor, positions: torch.Tensor, lengths: list[int], layer_idx: int, capacity: int
+    ) -> dict[str, torch.Tensor]:
+        """The per-row state of rows whose first ``lengths[b]`` slots hold their prompt: ``{key: (B, ...) tensor}``,
+        each allocated at its final size (e.g. for the whole ``capacity``); ``{}`` (the default) for a stateless policy.
+
+        The engine calls it eagerly, outside the decode forward, right after a prompt's prefill, for every layer,
+        with ``B = 1`` (the prompt's keys ``(1, H, P, D)`` and positions ``(1, H, P)``, ``lengths = [P]``) and gives
+        every row of the prompt a copy; every row of a decode step therefore has the same state keys, and
+        :meth:`select` updates them in place from the first decode step on (the current token is not in the prompt).
+        """
+        return {}
+
     def select(self, inputs: SelectionInputs) -> torch.Tensor | None:
         """Return a ``(B, H, L)`` or ``(B, Hq, L)`` bool mask of the held tokens this step attends to (see the class
         docstring), or ``None`` for all of them.
 
-        Slots past a row's length are masked by the engine whatever the policy returns for them.
+        Slots past a row's length are masked by the engine whatever the policy returns for them. ``None`` must be a
+        decision on run constants (``layer_idx``, ``length``), not on a row's length (a compiled step traces it once).
         """
         raise NotImplementedError
 

@@ -11,6 +11,15 @@ with rows first a contiguous run of rows ``[a, b)`` is ``keys[a:b].view((b - a) 
 no copy (with layers first only the whole cache would fold without a copy). Each layer's view keeps every row's
 ``(H, capacity, D)`` block contiguous (the kernels read it as before, with a larger row stride).
 
+Only the full-attention layers are in these tensors (``layers`` counts them; the eviction event and the policy see
+them alone). Sliding-window layers (gpt-oss, OLMo-3) have a ring of their own, ``ring_keys`` / ``ring_values``
+``(rows, sliding layers, H, window, D)`` and ``ring_positions`` ``(rows, sliding layers, H, window)``: the token of
+position ``p`` sits in slot ``p % window``, its true position recorded (``-1``: the slot was never written), so the
+ring holds exactly the window and a row's valid slots are ``[0, min(next position, window))``. A ring moves and is
+cleared with its row and is never touched by a policy. A hybrid model's linear-attention layers hold no tokens: their
+fixed per-row state (``linear``, :class:`~vase.engine.linear_state.LinearStates`) moves and is cleared with its row
+too.
+
 The policy state (:class:`RowState`): ``{key: (rows, layers, ...) tensor}`` and which keys each (row, layer) has. An
 eviction event reads and writes all layers of its rows at once (folded, ``(R * layers, ...)``); a selection policy,
 called per layer during the forward, one layer's slice.
@@ -41,14 +50,29 @@ class CacheStorage:
         state: the policies' per-(row, layer) state (:class:`RowState`).
     """
 
-    def __init__(self, rows: int, layers: int, heads: int, q_heads: int, capacity: int, head_dim: int, window=None):
+    def __init__(
+        self,
+        rows: int,
+        layers: int,
+        heads: int,
+        q_heads: int,
+        capacity: int,
+        head_dim: int,
+        window=None,
+        ring_layers: int = 0,
+        ring_slots: int = 0,
+    ):
         self.rows, self.layers, self.heads, self.q_heads = rows, layers, heads, q_heads
         self.capacity, self.head_dim, self.window = capacity, head_dim, window
+        self.ring_layers, self.ring_slots = ring_layers, ring_slots
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.queries: torch.Tensor | None = None
         self.last_call_pos: torch.Tensor | None = None
+        self.ring_keys: torch.Tensor | None = None
+        self.ring_values: torch.Tensor | None = None
+        self.ring_positions: torch.Tensor | None = None
         self.state = RowState(rows, layers)
         self.linear = None  # a hybrid model's linear-attention states (vase.engine.linear_state.LinearStates)
 
@@ -66,11 +90,39 @@ class CacheStorage:
             qshape = (self.rows, self.layers, self.q_heads, self.window, self.head_dim)
             self.queries = torch.zeros(qshape, dtype=dtype, device=device)
             self.last_call_pos = torch.full((self.rows, self.layers), NEVER, dtype=torch.long, device=device)
+        if self.ring_layers:
+            rshape = (self.rows, self.ring_layers, self.heads, self.ring_slots, self.head_dim)
+            self.ring_keys = torch.zeros(rshape, dtype=dtype, device=device)
+            self.ring_values = torch.zeros(rshape, dtype=dtype, device=device)
+            self.ring_positions = torch.full(rshape[:4], -1, dtype=torch.long, device=device)
 
     def tensors(self) -> list[torch.Tensor]:
         """The stacked tensors that exist (static addresses of the compiled step)."""
-        out = [t for t in (self.keys, self.values, self.positions, self.queries, self.last_call_pos) if t is not None]
+        out = [
+            t
+            for t in (
+                self.keys,
+                self.values,
+                self.positions,
+                self.queries,
+                self.last_call_pos,
+                self.ring_keys,
+                self.ring_values,
+                self.ring_positions,
+            )
+            if t is not None
+        ]
         return out + (self.linear.tensors() if self.linear is not None else [])
+
+    def kv_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The K and V tensors per layer type (for the accounting: ``{type: [keys, values]}``; a hybrid model's
+        ``linear_attention`` entry is its conv and recurrent states)."""
+        out = {"full_attention": [self.keys, self.values]} if self.layers else {}
+        if self.ring_layers:
+            out["sliding_attention"] = [self.ring_keys, self.ring_values]
+        if self.linear is not None:
+            out["linear_attention"] = self.linear.tensors()
+        return out
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy row ``src`` (its ``length`` held tokens of every layer, ring, state and linear-attention state) into
@@ -82,6 +134,10 @@ class CacheStorage:
             if self.queries is not None:
                 self.queries[dst] = self.queries[src]
                 self.last_call_pos[dst] = self.last_call_pos[src]
+            if self.ring_layers:
+                self.ring_keys[dst] = self.ring_keys[src]
+                self.ring_values[dst] = self.ring_values[src]
+                self.ring_positions[dst] = self.ring_positions[src]
         if self.linear is not None:
             self.linear.move_row(src, dst)
         self.state.move_row(src, dst)
@@ -99,6 +155,9 @@ class CacheStorage:
             self.values[slot].zero_()
             if self.queries is not None:
                 self.queries[slot].zero_()
+            if self.ring_layers:
+                self.ring_keys[slot].zero_()
+                self.ring_values[slot].zero_()
 
 
 class RowState:
@@ -154,12 +213,23 @@ class RowState:
                 if v.data_ptr() != target[idx].data_ptr():
                     target[idx] = v
             else:
-                target.index_copy_(0, idx, v)
+                target.index_copy_(0, idx, v.contiguous())
         keys = frozenset(state)
         for li in range(self.layers) if layer is None else (layer,):
             row_keys = self.keys[li]
             for r in slots:
                 row_keys[r] = keys
+
+    def layer_views(self, layer: int, n: int) -> dict[str, torch.Tensor]:
+        """``{key: (n, ...) view}`` of rows ``[0, n)`` on ``layer`` for every key of the store (a selection policy's
+        state at a decode step: every row has every key, made at its prefill)."""
+        return {k: t[:n, layer] for k, t in self.store.items()}
+
+    def fill(self, slots: list[int], idx, state: dict, layer: int, name: str) -> None:
+        """Give rows ``slots`` (``idx``) on ``layer`` the state ``{key: (1, ...) tensor}`` (one prompt's, the same for
+        each of its rows)."""
+        n = len(slots)
+        self.put(slots, idx, {k: v.expand(n, *v.shape[1:]) for k, v in state.items()}, layer, name)
 
     def move_row(self, src: int, dst: int) -> None:
         for t in self.store.values():

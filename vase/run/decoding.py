@@ -203,7 +203,7 @@ def decode(
                 w = by_id[fin.key]
                 text = tokenizer.decode(fin.tokens, skip_special_tokens=True)
                 meter.decoded += 1
-                make_row = row_maker(prep, w.problem, fin, text, dec.geometry.bytes_per_token)
+                make_row = row_maker(prep, w.problem, fin, text, dec.geometry)
                 grader.submit(w.problem, text, make_row, grade=fin.finish_reason not in NOT_DECODED)  # line once graded
                 left[fin.key] -= 1
                 if recorder is not None and left[fin.key] == 0:

@@ -15,6 +15,8 @@ line before Hydra starts. Each raises one ``ValueError("<setting or file>: <what
 
 ``cache=True`` (``run.py``'s check before Hydra starts) keeps the problems, tokenizers and model configs it loads for
 the run that follows in the same process.
+
+Long module: every check a run makes before it writes a file or loads weights, in one place.
 """
 
 from __future__ import annotations
@@ -372,7 +374,8 @@ def check_memory(
     from vase.engine.memory import row_bytes
     from vase.models import resolve_dtype
 
-    # the KV layers' K/V and positions, and a hybrid model's linear-attention state
+    # every layer at its type's size: full layers' K/V and positions at the capacity, sliding layers' ring of the
+    # window, a hybrid model's linear-attention state
     geometry = config_geometry(config, 1, capacity, resolve_dtype(dtype), torch.device("cpu"))
     per_row = row_bytes(geometry, policy)
     if kv_memory is not None and kv_memory < per_row:

@@ -28,13 +28,15 @@ Per-sample flags (definitions used in the docs):
 * ``loop_class``: ``loop`` / ``garbage`` / ``truncated`` / ``ok`` by the paper's detectors (method.md §4, first that
   applies): ``truncated`` is ``cut_in_thinking`` for a thinking run and ``cut_by_limit`` otherwise; or ``nonfinite`` /
   ``prompt_too_long`` for samples that were not decoded to the end (never counted as loops).
+
+Long module: a sample's line, the metrics read from those lines and the manifest are one record format.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -70,14 +72,35 @@ def held_at_end(total: int, prompt_len: int, budget: int | None, window: int | N
     return held + 1
 
 
-def retained_kv_bytes(held_mean: float | None, held_max: int | None, bytes_per_token: int) -> dict:
+def retained_kv_bytes(
+    held_mean: float | None, held_max: int | None, bytes_per_token: int, ring: tuple[float, float] = (0.0, 0.0)
+) -> dict:
     """``kv_retained_bytes_mean`` / ``kv_retained_bytes_peak``: the K/V bytes a sample's cache holds, over the model's
-    every layer and KV head (``bytes_per_token``), averaged over its decode steps / at the most it held (``None`` where
-    the engine did not report the held-token count)."""
+    every layer and KV head (``bytes_per_token`` per token the full-attention layers hold, plus ``ring``: the
+    sliding layers' bytes, mean and peak), averaged over its decode steps / at the most it held (``None`` where the
+    engine did not report the held-token count)."""
     return {
-        "kv_retained_bytes_mean": held_mean * bytes_per_token if held_mean is not None else None,
-        "kv_retained_bytes_peak": held_max * bytes_per_token if held_max is not None else None,
+        "kv_retained_bytes_mean": held_mean * bytes_per_token + ring[0] if held_mean is not None else None,
+        "kv_retained_bytes_peak": held_max * bytes_per_token + ring[1] if held_max is not None else None,
     }
+
+
+def ring_tokens(prompt_len: int, steps: int, window: int) -> tuple[float, int]:
+    """Tokens a sliding layer's ring holds over a sample's ``steps`` decode steps (after each step's append):
+    ``(mean, peak)`` of ``min(prompt_len + t, window)`` for ``t = 1..steps`` (``min(prompt_len, window)`` without a
+    step)."""
+    if steps < 1:
+        return float(min(prompt_len, window)), min(prompt_len, window)
+    below = max(0, min(steps, window - prompt_len - 1))  # steps whose ring is not full yet
+    total = below * prompt_len + below * (below + 1) // 2 + (steps - below) * window
+    return total / steps, min(prompt_len + steps, window)
+
+
+def kv_by_type(geometry, held: int, total: int) -> dict[str, int]:
+    """K/V bytes per layer type of a sample at its end: its full-attention layers hold ``held`` of its ``total``
+    tokens, its sliding layers ``min(total, window)``, its linear-attention layers their fixed state
+    (:meth:`vase.engine.geometry.CacheGeometry.held_bytes_by_type`; a geometry of full layers only: those)."""
+    return {k: int(v) for k, v in geometry.held_bytes_by_type(held, total).items()}
 
 
 def sample_row(
@@ -95,6 +118,7 @@ def sample_row(
     grader: str = "strict",
     rules: tuple[str, ...] = (),
     policy=None,
+    geometry=None,
 ) -> dict:
     """One line of ``samples.jsonl`` for a :class:`vase.engine.decode.Finished` sample and its grade.
 
@@ -102,6 +126,12 @@ def sample_row(
     several ``rules`` (the task's ``grader_rules``) every rule's answer and verdict is stored too.
     ``policy`` (when given) supplies the eviction schedule for ``held_tokens_end`` (its ``held_after``: a period other
     than the window, prefill compression); without it, VaSE's scaffold from ``budget`` and ``window``.
+    ``geometry`` (the decoder's :class:`~vase.engine.geometry.CacheGeometry`, when given) accounts the K/V bytes per
+    layer type (``kv_held_bytes_end_by_type``; sliding layers hold their window, linear-attention layers their state)
+    and ``compression_ratio`` is then the
+    whole model's cache (every layer type) against the full cache's; ``compression_ratio_full_layers`` is the
+    full-attention layers' own (tokens of the sequence / tokens held). Without it every layer counts as full
+    attention at ``bytes_per_token``.
     """
     reason = finished.finish_reason
     p, n_tok = finished.prompt_len, len(finished.tokens)
@@ -113,6 +143,16 @@ def sample_row(
     else:
         held = held_at_end(total, p, budget, window, evicts)
     st = finished.stats
+    if geometry is not None:
+        held_by_type, full_by_type = kv_by_type(geometry, held, total), kv_by_type(geometry, total, total)
+    else:
+        held_by_type = {"full_attention": held * bytes_per_token}
+        full_by_type = {"full_attention": total * bytes_per_token}
+    ring = (0.0, 0.0)
+    if geometry is not None and geometry.sliding_window is not None:
+        n_ring = len(geometry.layers_of("sliding_attention")) * geometry.bytes_per_token_of_layer
+        mean, peak = ring_tokens(p, st.get("decode_steps", 0), geometry.sliding_window)
+        ring = (mean * n_ring, float(peak * n_ring))
     error = None
     if reason == "nonfinite":
         error = f"non-finite logits (NaN/inf) after {n_tok} generated tokens"
@@ -150,10 +190,17 @@ def sample_row(
         "held_tokens_end": held,
         "held_tokens_mean": st.get("held_tokens"),
         "held_tokens_max": st.get("held_tokens_max"),
-        "compression_ratio": total / held,
-        "kv_held_bytes_end": held * bytes_per_token,
-        "kv_full_bytes_end": total * bytes_per_token,
-        **retained_kv_bytes(st.get("held_tokens"), st.get("held_tokens_max"), bytes_per_token),
+        "compression_ratio": sum(full_by_type.values()) / sum(held_by_type.values()),
+        "compression_ratio_full_layers": total / held,
+        "kv_held_bytes_end": sum(held_by_type.values()),
+        "kv_full_bytes_end": sum(full_by_type.values()),
+        "kv_held_bytes_end_by_type": held_by_type,
+        **retained_kv_bytes(
+            st.get("held_tokens"),
+            st.get("held_tokens_max"),
+            bytes_per_token if geometry is None else geometry.bytes_per_token,
+            ring,
+        ),
         "decode_steps": st.get("decode_steps", 0),
         "evictions": st.get("evictions", 0),
         "eviction_seconds": st.get("eviction_seconds", 0.0),
@@ -234,6 +281,13 @@ def compute_metrics(
         metrics["kv_held_bytes_mean"] = sum(r["kv_held_bytes_end"] for r in decoded) / len(decoded)
         metrics["kv_full_bytes_mean"] = sum(r["kv_full_bytes_end"] for r in decoded) / len(decoded)
         metrics["kv_full_bytes_max"] = max(r["kv_full_bytes_end"] for r in decoded)
+        by_type = [r["kv_held_bytes_end_by_type"] for r in decoded if r.get("kv_held_bytes_end_by_type")]
+        if by_type:  # per layer type (full_attention, sliding_attention, ...): the mean over decoded samples
+            kinds = sorted({k for d in by_type for k in d})
+            metrics["kv_held_bytes_mean_by_type"] = {k: sum(d.get(k, 0) for d in by_type) / len(by_type) for k in kinds}
+        ratios = [r["compression_ratio_full_layers"] for r in decoded if r.get("compression_ratio_full_layers")]
+        if ratios:
+            metrics["compression_ratio_full_layers"] = sum(ratios) / len(ratios)
         held = [r["held_tokens_mean"] for r in decoded if r.get("held_tokens_mean") is not None]
         metrics["held_tokens"] = sum(held) / len(held) if held else None
         metrics.update(retained_kv_metrics(decoded))
@@ -315,7 +369,7 @@ def _throughput(run_dir: Path) -> dict:
     }
 
 
-def row_maker(prep, problem, finished, text: str, bytes_per_token: int):
+def row_maker(prep, problem, finished, text: str, geometry):
     """``grade -> line of samples.jsonl`` for one finished sample of the run ``prep`` (called once it is graded)."""
 
     def make(grade) -> dict:
@@ -328,11 +382,12 @@ def row_maker(prep, problem, finished, text: str, bytes_per_token: int):
             budget=prep.cfg.budget if prep.policy.kind != "none" else None,
             window=prep.cfg.window,
             evicts=prep.policy.kind == "eviction",
-            bytes_per_token=bytes_per_token,
+            bytes_per_token=geometry.bytes_per_token,
             max_length=prep.max_length,
             grader=prep.grader,
             rules=prep.task.grader_rules,
             policy=prep.policy,
+            geometry=geometry,
         )
 
     return make
@@ -361,8 +416,6 @@ def write_manifest(prep, run_dir: Path, model, tokenizer, spec, dtype_reason: st
 
 def manifest(prep, model, tokenizer, spec, dtype_reason: str, dec, plan, stop) -> dict:
     """The content of ``manifest.json`` (see :func:`write_manifest`)."""
-    from vase.engine.linear_state import layer_types
-
     cfg = prep.cfg
     return {
         "git_sha": git_sha(),
@@ -387,9 +440,11 @@ def manifest(prep, model, tokenizer, spec, dtype_reason: str, dec, plan, stop) -
             "capacity_per_row": dec.geometry.capacity,
             "capacity_choice": "cache_capacity(policy, longest prompt to decode, its output cap)",
             "kv_allocated_bytes": dec.geometry.kv_bytes,
-            # a hybrid model's linear-attention layers: their fixed state (every row) and the model's layer types
-            "linear_state_bytes": dec.geometry.rows * dec.geometry.linear_bytes_per_row,
-            "layer_types": dict(Counter(layer_types(model.config))),
+            # per layer type (full_attention: the capacity; sliding_attention: the model's window; linear_attention:
+            # a hybrid model's conv and recurrent states), every row
+            "kv_allocated_bytes_by_type": {k: v * dec.geometry.rows for k, v in dec.geometry.kv_bytes_by_type.items()},
+            "layer_types": {k: len(dec.geometry.layers_of(k)) for k in dict.fromkeys(dec.geometry.types)},
+            "sliding_window": dec.geometry.sliding_window,
             "row_bytes": plan.row_bytes,
             "sync_every": dec.sync_every,
         },
