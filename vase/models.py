@@ -147,11 +147,16 @@ def check_architecture(config) -> None:
             f"model: {model_type} config has layer_types {', '.join(others)}: only "
             f"{' and '.join(allowed)} layers are supported by the vase engine yet"
         )
+    if "full_attention" not in types and model_type in HYBRID_LINEAR:
+        raise ValueError(
+            f"model: {model_type} config has no full_attention layer (layer_types): the vase engine's cache and its "
+            "policies need at least one; use a config with full_attention_interval <= num_hidden_layers"
+        )
     if "full_attention" not in types:
         raise ValueError(
-            f"model: no layer of this {model_type} config is full attention (layer_types {sorted(set(types))}, "
-            f"sliding_window={window}): a policy's budget would apply to no layer; use a checkpoint with "
-            "sliding_window null, or a config whose layer_types (or full_attention_interval) names full layers"
+            f"model: every layer of this {model_type} config is sliding-window (sliding_window={window}, no "
+            "layer_types naming full-attention layers): a policy's budget would apply to no layer; use a checkpoint "
+            "with sliding_window null, or a config whose layer_types mixes full and sliding layers"
         )
     rope = getattr(config, "rope_parameters", None) or {}
     types = (
