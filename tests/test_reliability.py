@@ -95,13 +95,6 @@ REFUSALS = [
         "generation.kv_memory: 1000 bytes hold no row of the cache",
     ),
     Refusal(
-        "compile-selection",
-        "Model and memory",
-        "`generation.compile=on` with a policy that selects tokens on the host (Quest, SeerAttention-R)",
-        ("policy=quest", "generation.compile=on"),
-        "generation.compile=on: policy quest selects tokens from host state inside the forward",
-    ),
-    Refusal(
         "huge-cache",
         "Model and memory",
         "a `max_length` whose full cache does not fit the machine (256 GB)",

@@ -185,7 +185,7 @@ class VaseLayer(CacheLayerMixin):
         """``(step_rows,)`` int32: the slots each row's query attends to, a prefix of its storage (FlashAttention's
         ``cache_seqlens``): the held tokens after this step's append, or a ring's valid slots."""
         owner = self.owner
-        return (owner.ring_seqlens if self.is_sliding else owner.seqlens_t)[: owner.step_rows]
+        return owner.ring_seqlens[: owner.step_rows] if self.is_sliding else owner.seqlens_i32()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """Decode: the slots the views :meth:`update` returns span (``owner.step_length``, a sliding layer's window);
