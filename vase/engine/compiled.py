@@ -128,8 +128,9 @@ def mark_static(cache) -> None:
     tensors += cache.storage.tensors()  # the stacked storage and every layer's views of it
     if cache.policy.kind == "selection":  # the state select() updates in the forward (made at the first prefill)
         tensors += list(cache.storage.state.store.values())
-    for layer in cache.layers:
+    for layer in cache.attention_layers:
         tensors += [t for t in (layer.keys, layer.values, layer.positions, layer.queries) if t is not None]
+    tensors += [t for layer in cache.layers for t in _linear_views(layer)]
     for t in tensors:
         torch._dynamo.mark_static_address(t)
 
@@ -150,9 +151,17 @@ def static_inputs(cache) -> dict[str, int]:
     if cache.policy.kind == "selection":
         for key, t in cache.storage.state.store.items():
             out[f"state.{key}"] = t.data_ptr()
-    for i, layer in enumerate(cache.layers):
+    for layer in cache.attention_layers:
         for name in ("keys", "values", "positions", "queries"):
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor):
-                out[f"layer{i}.{name}"] = t.data_ptr()
+                out[f"layer{layer.layer_idx}.{name}"] = t.data_ptr()
+    for layer in cache.layers:
+        for name, t in zip(("conv", "recurrent"), _linear_views(layer)):
+            out[f"linear{layer.layer_idx}.{name}"] = t.data_ptr()
     return out
+
+
+def _linear_views(layer) -> list[torch.Tensor]:
+    """A hybrid model's linear-attention layer's views of its states (``[]`` for a KV layer)."""
+    return [t for t in (getattr(layer, "conv", None), getattr(layer, "recurrent", None)) if t is not None]

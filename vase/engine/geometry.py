@@ -1,4 +1,4 @@
-"""Static shapes of the cache: per-row capacity, bytes per token and per row (no tensors, no transformers).
+"""Static shapes of the cache: per-row capacity, bytes per token and per row (no tensors).
 
 ``capacity = min(P + max_new_tokens, max(P, budget) + E)`` token slots per (layer, row, KV head) for eviction
 policies (``E`` = the policy's eviction period, ``window`` by default; ``max(P, budget + E)`` when the prompt is
@@ -7,8 +7,9 @@ longest prompt the cache will hold (method.md §2: nothing grows during decoding
 
 Layer types (``CacheGeometry.layer_types``, from the config's ``layer_types``): ``full_attention`` layers hold the
 eviction cache above (the policy's budget applies to them); ``sliding_attention`` layers a static ring of the
-model's window per row (``sliding_window`` slots, never scored or evicted). :attr:`CacheGeometry.kv_bytes_by_type`
-accounts them apart, in a dict keyed by layer type (another type adds an entry).
+model's window per row (``sliding_window`` slots, never scored or evicted); ``linear_attention`` layers of a hybrid
+model (Qwen3.5, Qwen3-Next) a fixed conv and recurrent state per row (``CacheGeometry.linear``, no tokens).
+:attr:`CacheGeometry.kv_bytes_by_type` accounts them apart, in a dict keyed by layer type.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from vase.engine.linear_state import LINEAR, LinearShape, text_config
 from vase.engine.policy import Policy
 
 #: the layer types the cache knows (transformers' ``config.layer_types`` names)
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", LINEAR)
 
 
 @dataclass
@@ -43,8 +45,11 @@ class CacheGeometry:
         capacity: token slots per (layer, row, KV head).
         dtype, device: of the storage.
         prompt_len: the longest prompt the capacity was sized for (informational).
-        layer_types: each layer's type (``full_attention`` / ``sliding_attention``), ``None``: all full attention.
+        layer_types: each layer's type (``full_attention`` / ``sliding_attention`` / ``linear_attention``), ``None``:
+            all full attention.
         sliding_window: the sliding layers' window (their ring's slots), ``None`` without sliding layers.
+        linear: a hybrid model's linear-attention layers (:class:`~vase.engine.linear_state.LinearShape`: a fixed
+            state per row, no K and V), ``None`` without any.
     """
 
     num_layers: int
@@ -58,6 +63,7 @@ class CacheGeometry:
     prompt_len: int = 0
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
+    linear: LinearShape | None = None
 
     def __post_init__(self) -> None:
         types = self.types
@@ -65,6 +71,10 @@ class CacheGeometry:
             raise ValueError(f"CacheGeometry: layer_types {types} for {self.num_layers} layers; known: {LAYER_TYPES}")
         if ("sliding_attention" in types) != (self.sliding_window is not None):
             raise ValueError(f"CacheGeometry: sliding_window={self.sliding_window} with layer_types {set(types)}")
+        if self.linear is not None and tuple(self.linear.layer_ids) != tuple(self.layers_of(LINEAR)):
+            raise ValueError(f"CacheGeometry: linear layers {self.linear.layer_ids} with layer_types {types}")
+        if self.linear is None and LINEAR in types:
+            raise ValueError(f"CacheGeometry: layer_types {types} have linear-attention layers but no linear shape")
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -91,26 +101,40 @@ class CacheGeometry:
         return len(self.full_layers) * self.bytes_per_token_of_layer
 
     def slots_of(self, kind: str) -> int:
-        """Token slots per row of one layer of type ``kind``: the capacity, or the sliding window (its ring)."""
+        """Token slots per row of one layer of type ``kind``: the capacity, the sliding window (its ring), or 0 (a
+        linear-attention layer holds no tokens)."""
+        if kind == LINEAR:
+            return 0
         return self.sliding_window if kind == "sliding_attention" else self.capacity
 
     @property
+    def linear_bytes_per_row(self) -> int:
+        """State bytes of one row over the linear-attention layers (0 for a model without any)."""
+        return 0 if self.linear is None else self.linear.bytes_per_row(self.dtype)
+
+    @property
     def kv_bytes_by_type(self) -> dict[str, int]:
-        """Static K and V bytes of one row per layer type: ``{type: layers of it x slots x bytes per token}``."""
+        """Static cache bytes of one row per layer type: ``{type: layers of it x slots x bytes per token}``; the
+        ``linear_attention`` entry is the linear layers' conv and recurrent state (:attr:`linear_bytes_per_row`)."""
         return {
-            kind: len(self.layers_of(kind)) * self.slots_of(kind) * self.bytes_per_token_of_layer
+            kind: self.linear_bytes_per_row
+            if kind == LINEAR
+            else len(self.layers_of(kind)) * self.slots_of(kind) * self.bytes_per_token_of_layer
             for kind in LAYER_TYPES
             if kind in self.types
         }
 
     def held_bytes_by_type(self, held: float, seq_len: float) -> dict[str, float]:
         """K and V bytes one row holds per layer type when its full-attention layers hold ``held`` tokens of a
-        sequence of ``seq_len``: a sliding layer holds ``min(seq_len, window)`` (its ring)."""
+        sequence of ``seq_len``: a sliding layer holds ``min(seq_len, window)`` (its ring), a linear-attention layer
+        its fixed state whatever the length."""
         per_layer = self.bytes_per_token_of_layer
         out = {}
         for kind in LAYER_TYPES:
             n = len(self.layers_of(kind))
-            if n:
+            if n and kind == LINEAR:
+                out[kind] = float(self.linear_bytes_per_row)
+            elif n:
                 tokens = min(seq_len, self.sliding_window) if kind == "sliding_attention" else held
                 out[kind] = n * tokens * per_layer
         return out
@@ -161,22 +185,32 @@ def span_of(slots: Sequence[int]) -> slice | None:
 
 def model_geometry(model, rows: int, capacity: int, prompt_len: int = 0) -> CacheGeometry:
     """The cache geometry of ``model`` for ``rows`` rows of ``capacity`` slots (dtype and device of its weights)."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     param = next(model.parameters())
+    return config_geometry(model.config, rows, capacity, param.dtype, param.device, prompt_len)
+
+
+def config_geometry(
+    config, rows: int, capacity: int, dtype: torch.dtype, device: torch.device, prompt_len: int = 0
+) -> CacheGeometry:
+    """The cache geometry of a model from its config alone (no weights: the preflight's memory check sizes a row
+    with it; a multimodal checkpoint's language model): every layer with its type (:func:`config_layer_types`), a
+    hybrid model's linear-attention layers' state shape in ``linear``."""
+    cfg = text_config(config)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     types, window = config_layer_types(cfg)
     return CacheGeometry(
         num_layers=cfg.num_hidden_layers,
-        num_kv_heads=cfg.num_key_value_heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
         num_q_heads=cfg.num_attention_heads,
         head_dim=head_dim,
         rows=rows,
         capacity=capacity,
-        dtype=param.dtype,
-        device=param.device,
+        dtype=dtype,
+        device=torch.device(device),
         prompt_len=prompt_len,
         layer_types=types,
         sliding_window=window,
+        linear=LinearShape.of(cfg),
     )
 
 

@@ -57,7 +57,7 @@ class VaseLayer(CacheLayerMixin):
         owner = self.owner
         if not owner.storage.allocated:
             owner.storage.allocate(key_states.dtype, key_states.device)
-            for layer in owner.layers:
+            for layer in owner.attention_layers:
                 layer.bind()
         self.bind()
 

@@ -38,7 +38,8 @@ MAX_AUTO_ROWS = 1024
 
 
 def row_bytes(geometry: CacheGeometry, policy: Policy) -> int:
-    """Static bytes of one row: K/V storage over all layers plus positions and the query ring."""
+    """Static bytes of one row: the cache over every layer type (:attr:`CacheGeometry.kv_bytes_by_type`: K/V, rings,
+    a hybrid model's linear-attention state) plus positions and the query ring."""
     return geometry.kv_bytes_per_row + aux_bytes_per_row(geometry, policy)
 
 

@@ -16,7 +16,9 @@ them alone). Sliding-window layers (gpt-oss, OLMo-3) have a ring of their own, `
 ``(rows, sliding layers, H, window, D)`` and ``ring_positions`` ``(rows, sliding layers, H, window)``: the token of
 position ``p`` sits in slot ``p % window``, its true position recorded (``-1``: the slot was never written), so the
 ring holds exactly the window and a row's valid slots are ``[0, min(next position, window))``. A ring moves and is
-cleared with its row and is never touched by a policy.
+cleared with its row and is never touched by a policy. A hybrid model's linear-attention layers hold no tokens: their
+fixed per-row state (``linear``, :class:`~vase.engine.linear_state.LinearStates`) moves and is cleared with its row
+too.
 
 The policy state (:class:`RowState`): ``{key: (rows, layers, ...) tensor}`` and which keys each (row, layer) has. An
 eviction event reads and writes all layers of its rows at once (folded, ``(R * layers, ...)``); a selection policy,
@@ -72,6 +74,7 @@ class CacheStorage:
         self.ring_values: torch.Tensor | None = None
         self.ring_positions: torch.Tensor | None = None
         self.state = RowState(rows, layers)
+        self.linear = None  # a hybrid model's linear-attention states (vase.engine.linear_state.LinearStates)
 
     @property
     def allocated(self) -> bool:
@@ -95,7 +98,7 @@ class CacheStorage:
 
     def tensors(self) -> list[torch.Tensor]:
         """The stacked tensors that exist (static addresses of the compiled step)."""
-        return [
+        out = [
             t
             for t in (
                 self.keys,
@@ -109,16 +112,21 @@ class CacheStorage:
             )
             if t is not None
         ]
+        return out + (self.linear.tensors() if self.linear is not None else [])
 
     def kv_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The K and V tensors per layer type (for the accounting: ``{type: [keys, values]}``)."""
+        """The K and V tensors per layer type (for the accounting: ``{type: [keys, values]}``; a hybrid model's
+        ``linear_attention`` entry is its conv and recurrent states)."""
         out = {"full_attention": [self.keys, self.values]} if self.layers else {}
         if self.ring_layers:
             out["sliding_attention"] = [self.ring_keys, self.ring_values]
+        if self.linear is not None:
+            out["linear_attention"] = self.linear.tensors()
         return out
 
     def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy row ``src`` (its ``length`` held tokens of every layer, ring and state) into row ``dst``."""
+        """Copy row ``src`` (its ``length`` held tokens of every layer, ring, state and linear-attention state) into
+        row ``dst``."""
         if self.allocated:
             self.keys[dst, :, :, :length] = self.keys[src, :, :, :length]
             self.values[dst, :, :, :length] = self.values[src, :, :, :length]
@@ -130,11 +138,16 @@ class CacheStorage:
                 self.ring_keys[dst] = self.ring_keys[src]
                 self.ring_values[dst] = self.ring_values[src]
                 self.ring_positions[dst] = self.ring_positions[src]
+        if self.linear is not None:
+            self.linear.move_row(src, dst)
         self.state.move_row(src, dst)
 
     def clear_row(self, slot: int, scrub: bool = False) -> None:
-        """Forget row ``slot``'s policy state on every layer; with ``scrub``, zero its storage (after NaN/inf)."""
+        """Forget row ``slot``'s policy state on every layer (and zero its linear-attention state); with ``scrub``,
+        zero its storage (after NaN/inf)."""
         self.state.clear_row(slot)
+        if self.linear is not None:
+            self.linear.clear_row(slot)
         if self.last_call_pos is not None:
             self.last_call_pos[slot] = NEVER
         if scrub and self.allocated:

@@ -370,24 +370,13 @@ def check_memory(
     then the ``rows`` in flight. Nothing is allocated."""
     import torch
 
-    from vase.engine.geometry import CacheGeometry, config_layer_types
+    from vase.engine.geometry import config_geometry
     from vase.engine.memory import row_bytes
     from vase.models import resolve_dtype
 
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    types, window = config_layer_types(config)  # sliding-window layers hold a ring of the window
-    geometry = CacheGeometry(
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        num_q_heads=config.num_attention_heads,
-        head_dim=head_dim,
-        rows=1,
-        capacity=capacity,
-        dtype=resolve_dtype(dtype),
-        device=torch.device("cpu"),
-        layer_types=types,
-        sliding_window=window,
-    )
+    # every layer at its type's size: full layers' K/V and positions at the capacity, sliding layers' ring of the
+    # window, a hybrid model's linear-attention state
+    geometry = config_geometry(config, 1, capacity, resolve_dtype(dtype), torch.device("cpu"))
     per_row = row_bytes(geometry, policy)
     if kv_memory is not None and kv_memory < per_row:
         raise ValueError(

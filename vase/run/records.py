@@ -98,8 +98,8 @@ def ring_tokens(prompt_len: int, steps: int, window: int) -> tuple[float, int]:
 
 def kv_by_type(geometry, held: int, total: int) -> dict[str, int]:
     """K/V bytes per layer type of a sample at its end: its full-attention layers hold ``held`` of its ``total``
-    tokens, its sliding layers ``min(total, window)`` (:meth:`vase.engine.geometry.CacheGeometry.held_bytes_by_type`;
-    a geometry without sliding layers: the full layers only)."""
+    tokens, its sliding layers ``min(total, window)``, its linear-attention layers their fixed state
+    (:meth:`vase.engine.geometry.CacheGeometry.held_bytes_by_type`; a geometry of full layers only: those)."""
     return {k: int(v) for k, v in geometry.held_bytes_by_type(held, total).items()}
 
 
@@ -127,7 +127,8 @@ def sample_row(
     ``policy`` (when given) supplies the eviction schedule for ``held_tokens_end`` (its ``held_after``: a period other
     than the window, prefill compression); without it, VaSE's scaffold from ``budget`` and ``window``.
     ``geometry`` (the decoder's :class:`~vase.engine.geometry.CacheGeometry`, when given) accounts the K/V bytes per
-    layer type (``kv_held_bytes_end_by_type``; sliding layers hold their window) and ``compression_ratio`` is then the
+    layer type (``kv_held_bytes_end_by_type``; sliding layers hold their window, linear-attention layers their state)
+    and ``compression_ratio`` is then the
     whole model's cache (every layer type) against the full cache's; ``compression_ratio_full_layers`` is the
     full-attention layers' own (tokens of the sequence / tokens held). Without it every layer counts as full
     attention at ``bytes_per_token``.
@@ -439,7 +440,8 @@ def manifest(prep, model, tokenizer, spec, dtype_reason: str, dec, plan, stop) -
             "capacity_per_row": dec.geometry.capacity,
             "capacity_choice": "cache_capacity(policy, longest prompt to decode, its output cap)",
             "kv_allocated_bytes": dec.geometry.kv_bytes,
-            # per layer type (full_attention: the capacity; sliding_attention: the model's window), every row
+            # per layer type (full_attention: the capacity; sliding_attention: the model's window; linear_attention:
+            # a hybrid model's conv and recurrent states), every row
             "kv_allocated_bytes_by_type": {k: v * dec.geometry.rows for k, v in dec.geometry.kv_bytes_by_type.items()},
             "layer_types": {k: len(dec.geometry.layers_of(k)) for k in dict.fromkeys(dec.geometry.types)},
             "sliding_window": dec.geometry.sliding_window,
