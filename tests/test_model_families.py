@@ -214,3 +214,23 @@ def test_a_rope_refusal_writes_nothing(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "error: policy.triattention:" in r.stderr and "partial_rotary_factor" in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "preset,hub,sampling",
+    [
+        ("qwen3_30b_a3b", "Qwen/Qwen3-30B-A3B", (0.6, 0.95, 20)),
+        ("phi4_reasoning", "microsoft/Phi-4-reasoning", (0.8, 0.95, 50)),
+        ("smollm3_3b", "HuggingFaceTB/SmolLM3-3B", (0.6, 0.95, 0)),
+    ],
+)
+def test_hub_presets_compose(preset, hub, sampling):
+    """The presets of real checkpoints of these families: hub id, revision ``main`` (resolved and recorded at run
+    time), the model card's sampling, thinking on (no download here)."""
+    from hydra.utils import instantiate
+
+    from tests.conftest import compose
+
+    spec = instantiate(compose([f"model={preset}"]).model)
+    assert spec.key == preset and spec.name == hub and spec.revision == "main" and spec.thinking
+    assert (spec.temperature, spec.top_p, spec.top_k) == sampling
