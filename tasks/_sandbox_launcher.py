@@ -139,6 +139,20 @@ def _forward(status: int) -> None:
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 
 
+def _kill_child(pid: int) -> None:
+    """SIGKILL ``pid`` from a signal handler; a child already reaped is not an error.
+
+    The harness stops a run with SIGTERM to this launcher and then SIGKILLs the sandbox uid. On a loaded machine the
+    program and the namespace's init can both be dead, and the init reaped by :func:`_supervise`'s ``waitpid``,
+    before the launcher runs its SIGTERM handler (``wait4`` reports a zombie child before a pending signal): the kill
+    then finds no process, and the error must not turn a finished run into a setup failure.
+    """
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _waitpid(pid: int) -> tuple[int, int]:
     while True:
         try:
@@ -153,7 +167,7 @@ def _supervise(ns_init: int, status_r: int, plan_deadline_s: float) -> None:
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     # backstop if the harness is gone: never outlive the wall-clock limit by more than a few seconds
-    signal.signal(signal.SIGALRM, lambda signum, frame: os.kill(ns_init, signal.SIGKILL))
+    signal.signal(signal.SIGALRM, lambda signum, frame: _kill_child(ns_init))
     signal.alarm(int(plan_deadline_s))
     _, init_status = _waitpid(ns_init)
     data = os.read(status_r, 64)
@@ -210,14 +224,14 @@ def run_full(plan: dict) -> None:
         if child["pid"] is None:
             child["term"] = True
         else:
-            os.kill(child["pid"], signal.SIGKILL)
+            _kill_child(child["pid"])
 
     signal.signal(signal.SIGTERM, on_term)
     pid = os.fork()
     if pid > 0:
         child["pid"] = pid
         if child["term"]:
-            os.kill(pid, signal.SIGKILL)
+            _kill_child(pid)
         os.close(status_w)
         _supervise(pid, status_r, plan["deadline_s"])
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
