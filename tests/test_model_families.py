@@ -167,7 +167,9 @@ def test_tiny_preset_loads_the_family(arch):
     assert model.config.model_type == arch and model.config.vocab_size == len(tokenizer)
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize(  # CI runs mistral; the others in -m slow (CI's time budget)
+    "arch", [a if a == "mistral" else pytest.param(a, marks=pytest.mark.slow) for a in FAMILIES]
+)
 def test_a_short_offline_run_per_family(arch, tmp_path):
     """``python run.py model=tiny_<family> policy=vase_dkv`` on one gsm_symbolic problem, two samples: it finishes,
     evicts and records the family's model."""
@@ -196,6 +198,7 @@ def test_policies_that_undo_rope_refuse_partial_rope_and_nope(arch, why, name, t
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow  # CI's time budget: test_runner_inputs.py::test_i11 shows a refusal writes nothing
 def test_a_rope_refusal_writes_nothing(tmp_path):
     """``run.py policy=triattention model=tiny_phi3``: the one-line error, exit 2, and no file under results_dir."""
     r = subprocess.run(

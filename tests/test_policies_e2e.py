@@ -120,7 +120,10 @@ def test_policy_runs_on_real_model(real, name, tmp_path):
     run_and_check(model, prompt, name, budget=64, window=16, new_tokens=120, tmp_path=tmp_path)
 
 
-@pytest.mark.parametrize("name", ["h2o", "keydiff", "triattention"])
+@pytest.mark.parametrize(  # CI runs h2o; the others in -m slow (CI's time budget)
+    "name",
+    ["h2o", pytest.param("keydiff", marks=pytest.mark.slow), pytest.param("triattention", marks=pytest.mark.slow)],
+)
 def test_new_baseline_runs_end_to_end_through_run_py(name, tmp_path):
     """The 2026 baselines through ``run.py`` offline on the tiny model, with every keep() answer checked
     (``generation.check_policy_output=true``) and the schedule set without ``+``; TriAttention's calibration is saved

@@ -272,6 +272,7 @@ def test_sigkill_midway_then_relaunch_gives_every_sample_once(tmp_path):
     assert metrics["complete"] and metrics["samples"] == 6
 
 
+@pytest.mark.slow  # CI's time budget: tests/test_runner_inputs.py::test_i4 runs the same two-policy multirun
 def test_multirun_of_two_policies_writes_two_result_directories(tmp_path):
     r = subprocess.run(
         [sys.executable, "run.py", "-m", "sweep=smoke", f"results_dir={tmp_path}", "progress=false"],
@@ -315,6 +316,7 @@ def test_submitit_local_launcher_runs_a_two_job_sweep(tmp_path):
     assert (summary["jobs"], summary["ok"], summary["failed"]) == (2, 2, 0)
 
 
+@pytest.mark.slow  # CI's time budget: test_analysis.py::test_report_script_and_wandb_offline writes an offline run
 def test_wandb_offline_run_is_accepted_by_wandb_sync(tmp_path):
     env = {**ENV, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"}
     args = [

@@ -462,8 +462,16 @@ def test_i10_a_truncated_protocol_or_resolved_json_is_named_with_the_fix(finishe
     "args, expected",
     [
         (["policy.n_protect=-1"], "error: policy.n_protect: must be >= 0, got -1"),
-        (["task=humaneval", "task.timeout_s=abc"], "error: task.timeout_s: must be a finite number, got 'abc'"),
-        (["task.data_dir={empty}", "task=math500"], "error: task.data_dir: {empty}/math500.jsonl holds no problems"),
+        pytest.param(  # the slow ones: CI's time budget (a run.py process each)
+            ["task=humaneval", "task.timeout_s=abc"],
+            "error: task.timeout_s: must be a finite number, got 'abc'",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ["task.data_dir={empty}", "task=math500"],
+            "error: task.data_dir: {empty}/math500.jsonl holds no problems",
+            marks=pytest.mark.slow,
+        ),
         (["task=gsm_symbolic"], "error: task gsm_symbolic: needs the Python package 'reasoning_gym', which is not"),
     ],
 )
