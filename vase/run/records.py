@@ -425,6 +425,8 @@ def manifest(prep, model, tokenizer, spec, dtype_reason: str, dec, plan, stop) -
             "name": spec.name,
             "revision": spec.revision,
             "resolved": spec.resolve(),
+            # how the generated tokens became the recorded text (think_tags / harmony: vase/run/reasoning.py)
+            "reasoning_format": spec.reasoning_format,
             "dtype": str(next(model.parameters()).dtype),
             "dtype_choice": dtype_reason,
             "attn_backend": dec.backend,
