@@ -66,6 +66,8 @@ GOLDEN = [
     ("cut off in the final", f"{C}analysis{M}a{E}{A}{C}final{M}The ans", "<think>a</think>The ans", "The ans", False),
     ("two final messages", f"{C}final{M}4{E}{A}{C}final{M}four{R}", "<think></think>4\nfour", "4\nfour", False),
     ("plain text, no marker", "just text", "<think>just text", "", True),
+    ("cut off in the first header", f"{C}analy", f"<think>{C}analy", "", True),
+    ("another tokenizer's markers only", "text<|im_end|>", "<think>text<|im_end|>", "", True),
     ("nothing generated", "", "<think>", "", True),
 ]
 

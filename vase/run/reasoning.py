@@ -23,7 +23,6 @@ from vase.models import REASONING_FORMATS
 HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|endoftext|>")
 _END_RE = re.compile("|".join(re.escape(t) for t in HARMONY_ENDS))
 _CHANNEL_RE = re.compile(r"<\|channel\|>\s*([^\s<]+)")
-_SPECIAL_RE = re.compile(r"<\|[a-z_]+\|>")
 
 
 def render_harmony(text: str) -> str:
@@ -35,7 +34,8 @@ def render_harmony(text: str) -> str:
     limit). The ``final`` channel's contents (joined by newlines) are the answer; every other message's content,
     ``analysis`` and ``commentary`` (preambles, tool calls) alike, is thinking, joined by newlines in order (vLLM's
     ``gpt_oss`` reasoning parser joins the messages before the final one the same way). A header cut off before its
-    ``<|message|>`` contributes nothing; text with no harmony marker at all is one channel-less message: thinking.
+    ``<|message|>`` contributes nothing; a text in which no message began at all (plain text, no ``<|message|>``)
+    is kept as decoded, as thinking.
 
     Without a ``final`` message the output ended inside its thinking: ``<think>`` + thinking, with no ``</think>``
     (graded as cut off inside the thinking, as a ``think_tags`` model that never closed it).
@@ -47,8 +47,8 @@ def render_harmony(text: str) -> str:
     Returns:
         The canonical text: ``"<think>" + thinking + "</think>" + final`` or ``"<think>" + thinking``.
     """
-    if _SPECIAL_RE.search(text) is None:
-        return "<think>" + text  # plain text, no marker: one channel-less message
+    if "<|message|>" not in text:
+        return "<think>" + text  # no message began (plain text, or a header cut off): thinking, as decoded
     thinking: list[str] = []
     final: list[str] = []
     for segment in text.split("<|start|>"):
