@@ -1,4 +1,4 @@
-"""A model's reasoning format (vase/run/reasoning.py): gpt-oss's harmony channels rendered into the canonical
+"""A model's reasoning format (vase/reasoning.py): gpt-oss's harmony channels rendered into the canonical
 ``<think>thinking</think>answer`` text that the graders, the metrics and the records read; the setting's checks,
 the presets, the manifest and a stored run from before the setting."""
 
@@ -12,9 +12,9 @@ import pytest
 from tasks.grading import split_thinking
 from tests.conftest import TINY_RUN, compose
 from vase.models import REASONING_FORMATS, ModelSpec
+from vase.reasoning import output_text, render_harmony
 from vase.run import checks
 from vase.run.metrics import classify_output
-from vase.run.reasoning import output_text, render_harmony
 
 S, E, M, C, R = "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"
 A = S + "assistant"  # the prompt ends with it: the first message's <|start|>assistant is not generated

@@ -61,7 +61,7 @@ SUPPORTED_ARCHITECTURES = (
     "olmo3",
     *HYBRID_LINEAR,
 )
-#: how a model writes its reasoning (``ModelSpec.reasoning_format``, vase.run.reasoning): ``<think>`` tags as text,
+#: how a model writes its reasoning (``ModelSpec.reasoning_format``, vase.reasoning): ``<think>`` tags as text,
 #: or gpt-oss's harmony channels (special tokens)
 REASONING_FORMATS = ("think_tags", "harmony")
 #: RoPE types whose frequencies depend on the longest position in the forward (a row would depend on its batch-mates)
@@ -470,7 +470,7 @@ class ModelSpec:
         thinking: whether the chat template is rendered with thinking on (Qwen3 ``enable_thinking``).
         reasoning_format: how the model writes its reasoning (:data:`REASONING_FORMATS`): ``think_tags`` (``<think>``
             / ``</think>`` as text) or ``harmony`` (gpt-oss's ``analysis`` / ``final`` channels, rendered into
-            ``<think>analysis</think>final`` before grading: :mod:`vase.run.reasoning`).
+            ``<think>analysis</think>final`` before grading: :mod:`vase.reasoning`).
         tiny: extra config fields for ``tiny:<arch>`` models.
         reference_tokens: the model's mean full-cache output tokens on the task, for ``ratio=`` (budget = this /
             ratio); ``None`` takes the task's ``reference_output_tokens`` entry for :attr:`key` (or its ``default``).

@@ -287,7 +287,7 @@ def run_vllm(work: dict, args: argparse.Namespace, dtype: str, log: Path) -> dic
     if out is None:
         return dict(row, error=f"exit {got['rc']}: {last_line(log)}")
     task, tok, problems = work["task"], work["tokenizer"], work["problems"]
-    from vase.run.reasoning import output_text  # the runner's text of a sample (model.reasoning_format)
+    from vase.reasoning import output_text  # the runner's text of a sample (model.reasoning_format)
 
     fmt = work.get("reasoning_format", "think_tags")
     texts = [output_text(tok, s["tokens"], fmt) for s in out["samples"]]

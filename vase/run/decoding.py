@@ -22,9 +22,9 @@ import torch
 from vase.engine import Decoder, Request, model_geometry
 from vase.engine.cache import cache_capacity
 from vase.engine.memory import plan_rows
+from vase.reasoning import output_text
 from vase.run.grading_pool import Grader
 from vase.run.planning import Prepared, Work, resolved_spec
-from vase.run.reasoning import output_text
 from vase.run.records import NOT_DECODED, ThroughputLog, manifest, rank_entry, row_maker
 from vase.run.results import THROUGHPUT, part_path, reset_peak_memory, write_json
 
