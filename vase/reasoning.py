@@ -32,8 +32,8 @@ def render_harmony(text: str) -> str:
     word after ``<|channel|>``; a header may also carry a role, ``to=functions.x`` and ``<|constrain|>json``), its
     content from there to the first of :data:`HARMONY_ENDS` or the end of the text (a message cut off by the length
     limit). The ``final`` channel's contents (joined by newlines) are the answer; every other message's content,
-    ``analysis`` and ``commentary`` (preambles, tool calls) alike, is thinking, joined by newlines in order (vLLM's
-    ``gpt_oss`` reasoning parser joins the messages before the final one the same way). A header cut off before its
+    ``analysis`` and ``commentary`` (preambles, tool calls) alike, is thinking, joined by newlines in order (the
+    split vLLM's harmony parsing makes between reasoning and final content). A header cut off before its
     ``<|message|>`` contributes nothing; a text in which no message began at all (plain text, no ``<|message|>``)
     is kept as decoded, as thinking.
 
