@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vase.analysis import value_analysis as V
-from vase.analysis.value_figures import write_outputs
+from vase.analysis.value_figures import layer_labels, write_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -423,6 +423,7 @@ def test_capture_of_a_sliding_layer_is_its_ring_at_the_end():
     assert per_layer.loc[0, "tokens"] == 2 * 16 and math.isnan(per_layer.loc[0, "sink_range_median"])
     old = V.analyze(rec.drop(columns="layer_type"), token_text=str, large=("top5%",))  # records from before the column
     assert set(old.per_layer["layer_type"]) == {"full_attention"}
+    assert layer_labels(rec, [0, 1, 2]) == ["0 sw", "1", "2 sw"] and layer_labels(old.records, [0]) == ["0"]
 
 
 def test_script_on_tiny_gpt_oss_labels_the_layer_types(tmp_path: Path):
