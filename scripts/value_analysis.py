@@ -29,7 +29,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="qwen2.5_coder_0.5b", help="conf/model/<name>.yaml (default: %(default)s)")
     p.add_argument("--task", default="gsm_symbolic", help="conf/task/<name>.yaml (default: %(default)s)")
     p.add_argument("--limit", type=int, default=3, help="problems to decode (default: %(default)s)")
-    p.add_argument("--layers", default="0,6,12,18,23", help="comma-separated layer indices (default: %(default)s)")
+    p.add_argument(
+        "--layers",
+        default="auto",
+        help="comma-separated layer indices (the model's), or auto: five spread over the full-attention layers\n"
+        "(0,6,12,18,23 on a 24-layer model; sliding-window layers, which hold only their window, when named;\n"
+        "linear-attention layers hold no per-token values) (default: %(default)s)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256, help="output tokens per problem (default: %(default)s)")
     p.add_argument("--out", default="docs/figures/value_analysis", help="output directory (default: %(default)s)")
     p.add_argument(
@@ -82,13 +88,15 @@ def load_tokenizer(spec):
     return AutoTokenizer.from_pretrained(spec.name, revision=spec.revision)
 
 
-def decode(args, spec, task, layers: list[int], bits: list[int], groups: list[int]):
-    """Decode the task's problems with the full cache; return (records, tokenizer, facts for summary.json)."""
+def decode(args, spec, task, layers: list[int] | None, bits: list[int], groups: list[int]):
+    """Decode the task's problems with the full cache; return (records, tokenizer, facts for summary.json).
+    ``layers``: the model's layer indices, ``None`` for the default (``--layers auto``)."""
     import pandas as pd
     import torch
 
-    from vase.analysis.value_analysis import capture_values, token_records
+    from vase.analysis.value_analysis import capture_values, model_layer_types, select_layers, token_records
     from vase.engine import SamplingConfig
+    from vase.engine.linear_state import text_config
     from vase.run.decoding import eos_ids
 
     problems = task.load()
@@ -101,6 +109,11 @@ def decode(args, spec, task, layers: list[int], bits: list[int], groups: list[in
     t0 = time.perf_counter()
     model, tokenizer = spec.load()
     print(f"model {spec.name} loaded in {time.perf_counter() - t0:.1f} s; {len(problems)} problems of {task.name}")
+    types = model_layer_types(model)
+    try:
+        layers = select_layers(types, layers)
+    except ValueError as err:
+        raise SystemExit(f"--{err}") from None
     if args.sample:
         sampling = SamplingConfig(temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
     else:
@@ -126,12 +139,14 @@ def decode(args, spec, task, layers: list[int], bits: list[int], groups: list[in
         tokens_total += n_out
         print(f"problem {problem.id}: {cap.prompt_len} prompt + {n_out} output tokens in the cache")
         frames.append(token_records(cap, bits, groups, quantizer=args.quantizer))
+    config = text_config(model.config)  # a multimodal checkpoint's language model (Qwen3.5)
     facts = {
         "problems": [p.id for p in problems],
-        "num_layers": model.config.num_hidden_layers,
-        "kv_heads": model.config.num_key_value_heads,
-        "head_dim": getattr(model.config, "head_dim", None)
-        or model.config.hidden_size // model.config.num_attention_heads,
+        "layers": layers,
+        "layer_types": {str(li): types[li] for li in layers},
+        "num_layers": len(types),
+        "kv_heads": config.num_key_value_heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
         "dtype": str(next(model.parameters()).dtype),
         "greedy": not args.sample,
         "max_new_tokens": args.max_new_tokens,
@@ -148,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="[%(asctime)s %(levelname)s %(name)s] %(message)s", datefmt="%H:%M:%S"
     )
-    layers, bits, groups = _ints(args.layers, "layers"), _ints(args.bits, "bits"), _ints(args.groups, "groups")
+    layers = None if args.layers.strip() == "auto" else _ints(args.layers, "layers")
+    bits, groups = _ints(args.bits, "bits"), _ints(args.groups, "groups")
     large = [x.strip() for x in args.large.split(",") if x.strip()]
     model_cfg, task_cfg = ROOT / "conf" / "model" / f"{args.model}.yaml", ROOT / "conf" / "task" / f"{args.task}.yaml"
     for path, what in ((model_cfg, "model"), (task_cfg, "task")):
@@ -182,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(records)} records from {args.records}")
     else:
         records, tokenizer, facts = decode(args, spec, task, layers, bits, groups)
+        layers = facts["layers"]
     res = analyze(records, token_text=lambda t: tokenizer.decode([t]), large=large)
     title = f"{spec.name}, {task.name}, {records['problem_id'].nunique()} problems"
     formats = [f for f in args.formats.split(",") if f]
@@ -209,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     fmt = {"float_format": lambda x: f"{x:.4g}", "index": False}
     cols = [
         "layer",
+        "layer_type",
         "range_median",
         "range_p99",
         "range_max",

@@ -137,3 +137,48 @@ def test_recorder_on_a_real_generation(tmp_path: Path):
         results[name] = diversity_from_run(tmp_path / name)
     assert results["streaming"]["heads"] == 1.0 and results["streaming"]["layers"] == 1.0
     assert results["random"]["heads"] < 1.0
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_5"])
+def test_recorder_sees_only_the_full_attention_layers_by_their_model_index(arch, tmp_path: Path):
+    """Tiny gpt_oss (sliding, full, sliding, full) and tiny qwen3_5 (linear, full, linear, full): the evictions are
+    recorded in layers 1 and 3, the model's indices of its full-attention layers (not 0 and 1, their index among
+    the full layers), with one kept set of ``budget - window`` positions per row and KV head, within the sequence;
+    the dump round-trips, the diversity compares those two layers; naming a layer that never evicts is refused."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from vase.engine import SamplingConfig, generate
+    from vase.models import tiny_model
+
+    model = tiny_model(arch, num_hidden_layers=4)
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "policy" / "random.yaml")
+    cfg.budget, cfg.window = 32, 16
+    rec = KeptSetRecorder(max_events_per_layer=None)
+    out = generate(
+        model,
+        list(range(1, 21)),
+        instantiate(cfg),
+        n_samples=2,
+        sampling=SamplingConfig(),
+        max_new_tokens=40,
+        ignore_eos=True,
+        on_cache=lambda c: rec.attach(c, problem_id="p0"),
+    )
+    assert {e.layer for e in rec.events} == {1, 3} and 2 * len(rec.events) == out.stats["evictions"] > 0
+    for e in rec.events:
+        assert e.kept.shape == (2, model.config.num_key_value_heads, 16) and e.samples.tolist() == [0, 1]
+        assert (e.kept >= 0).all() and (e.kept < 20 + 40).all()
+    path = rec.dump(tmp_path / "kept_sets.npz")
+    assert [(e.layer, e.index) for e in load_kept_sets(path)] == [(e.layer, e.index) for e in rec.events]
+    assert diversity_from_run(tmp_path)["layers_pairs"] > 0
+    with pytest.raises(ValueError, match=r"^record_kept\.layers: \[0\] never evict .* layers: \[1, 3\]"):
+        generate(
+            model,
+            list(range(1, 21)),
+            instantiate(cfg),
+            n_samples=1,
+            sampling=SamplingConfig(),
+            max_new_tokens=2,
+            on_cache=lambda c: KeptSetRecorder(layers=[0, 1]).attach(c),
+        )

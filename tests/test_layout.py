@@ -35,6 +35,8 @@ PENDING_LONG: dict[str, str] = {}
 LAYERS = [
     ("vase/engine", "forbid", ("vase.run", "vase.analysis", "vase.bench", "vase.policies", "baselines", "tasks")),
     ("vase/models.py", "forbid", ("vase.run", "vase.analysis", "vase.bench", "vase.policies", "baselines", "tasks")),
+    # a model's reasoning format (the text its tokens are graded as): read by the runner and the benchmarks alike
+    ("vase/reasoning.py", "forbid", ("vase.run", "vase.analysis", "vase.bench", "vase.policies", "baselines", "tasks")),
     ("vase/run", "forbid", ("vase.analysis", "vase.bench")),
     ("vase/bench", "forbid", ("vase.run", "vase.analysis")),
     ("vase/analysis", "forbid", ("vase.bench",)),

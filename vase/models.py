@@ -61,6 +61,9 @@ SUPPORTED_ARCHITECTURES = (
     "olmo3",
     *HYBRID_LINEAR,
 )
+#: how a model writes its reasoning (``ModelSpec.reasoning_format``, vase.reasoning): ``<think>`` tags as text,
+#: or gpt-oss's harmony channels (special tokens)
+REASONING_FORMATS = ("think_tags", "harmony")
 #: RoPE types whose frequencies depend on the longest position in the forward (a row would depend on its batch-mates)
 BATCH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
@@ -465,6 +468,9 @@ class ModelSpec:
             commit recorded; see :meth:`resolve`).
         temperature, top_p, top_k: the model's recommended sampling (used by ``generation`` unless overridden).
         thinking: whether the chat template is rendered with thinking on (Qwen3 ``enable_thinking``).
+        reasoning_format: how the model writes its reasoning (:data:`REASONING_FORMATS`): ``think_tags`` (``<think>``
+            / ``</think>`` as text) or ``harmony`` (gpt-oss's ``analysis`` / ``final`` channels, rendered into
+            ``<think>analysis</think>final`` before grading: :mod:`vase.reasoning`).
         tiny: extra config fields for ``tiny:<arch>`` models.
         reference_tokens: the model's mean full-cache output tokens on the task, for ``ratio=`` (budget = this /
             ratio); ``None`` takes the task's ``reference_output_tokens`` entry for :attr:`key` (or its ``default``).
@@ -482,8 +488,15 @@ class ModelSpec:
     thinking: bool = True
     tiny: dict | None = None
     reference_tokens: int | None = None
+    reasoning_format: str = "think_tags"
 
     def __post_init__(self) -> None:
+        if self.reasoning_format not in REASONING_FORMATS:
+            raise ValueError(
+                f"model.reasoning_format: must be one of {', '.join(REASONING_FORMATS)}, "
+                f"got {self.reasoning_format!r}; "
+                "harmony for gpt-oss (its analysis / final channels), think_tags for models that write <think> tags"
+            )
         if self.reference_tokens is not None and (isinstance(self.reference_tokens, bool) or self.reference_tokens < 1):
             raise ValueError(
                 f"model.reference_tokens: must be a positive number of tokens or null, got {self.reference_tokens!r}; "

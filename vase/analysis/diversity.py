@@ -11,7 +11,9 @@ At each eviction the cache calls ``cache.on_evict(layer, row_ids, keep, kept_pos
 together, with ``kept_positions (rows, H, budget - window)``: the absolute positions of the candidates kept, and
 ``row_ids`` naming each row ``(problem_id, sample)``. The recorder stores them as sorted int32 arrays with the layer
 and the eviction index of that (problem, sample, layer) (a row's index does not depend on the other rows in flight),
-and groups the rows of one (problem, layer, index) into one event.
+and groups the rows of one (problem, layer, index) into one event. Only full-attention layers evict, so only they
+appear, by the model's layer index (gpt-oss: the odd layers; a hybrid Qwen3.5: every fourth); "across layers"
+compares those layers.
 
 Analysis: the mean Jaccard overlap ``|A ∩ B| / |A ∪ B|`` of kept sets
 

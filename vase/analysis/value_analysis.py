@@ -1,12 +1,10 @@
 """Value-magnitude analysis: how large the value states get, where the large ones sit, and how they quantize.
 
 From a full-cache decoding (:class:`~vase.engine.policy.FullCache`, so the cache holds every token's value state), per
-selected
-layer, KV head and token:
+selected layer, KV head and token:
 
 * the value statistics of :func:`~vase.engine.scores.value_statistic` (``range = max - min`` over the head dimension,
-  the one
-  VaSE protects; ``l2``; ``absmax``);
+  the one VaSE protects; ``l2``; ``absmax``);
 * the quantization error of the token's value vector under per-group asymmetric min-max quantization (KIVI-style:
   groups of ``g`` consecutive channels, ``b`` bits, scale ``(max - min) / (2^b - 1)``, zero point ``min``; the
   default, ``quantizer="minmax"``) or the paper's HQQ (``quantizer="hqq"``: :mod:`vase.analysis.hqq`), as the
@@ -17,6 +15,10 @@ the large-value tokens sit (sink tokens, position buckets, prompt vs output, whi
 Spearman correlation between a token's value range and its quantization error, and the paper's Pearson correlation
 of the range with the per-token mean squared error, the sink positions left out (``quantize_hqq.py``).
 
+Layer types (``layer_type`` in every per-layer table): a full-attention layer gives every token, a sliding-window
+layer the tokens its ring holds at the end (true positions), a linear-attention layer nothing (refused); by default
+(:func:`default_layers`) five full-attention layers are analysed.
+
 The figures and the output files: :mod:`vase.analysis.value_figures`. Run it with ``scripts/value_analysis.py`` (see
 ``docs/analysis.md``).
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -38,6 +40,8 @@ from vase.engine.scores import value_statistic
 logger = logging.getLogger(__name__)
 
 STATS = ("range", "l2", "absmax")
+#: the layer types (vase.engine.geometry.LAYER_TYPES): full-attention and sliding layers hold per-token values
+FULL, SLIDING, LINEAR_TYPE = "full_attention", "sliding_attention", "linear_attention"
 SINKS = 4
 POSITION_BUCKETS = (
     (0, 4, "sink 0-3"),
@@ -140,19 +144,67 @@ class ValueCapture:
         token_ids: ``(T,)`` the token at each cache position (prompt, then output; the last sampled token is never
             fed, so it is not in the cache).
         prompt_len: prompt tokens.
-        values: layer -> ``(H, T, D)`` float32 value states (position order).
+        values: layer (the model's index) -> ``(H, T_l, D)`` float32 value states, in position order: ``T_l = T`` on
+            a full-attention layer, the ``min(T, window)`` tokens its ring holds at the end on a sliding layer.
+        positions: layer -> ``(T_l,)`` the absolute position of each of its value states (``0..T-1`` on a full
+            layer; the last ``window`` positions on a sliding one); a layer missing here: ``0..T_l-1``.
+        layer_types: layer -> ``full_attention`` or ``sliding_attention``; missing: ``full_attention``.
     """
 
     problem_id: str
     token_ids: np.ndarray
     prompt_len: int
     values: dict[int, np.ndarray]
+    positions: dict[int, np.ndarray] = field(default_factory=dict)
+    layer_types: dict[int, str] = field(default_factory=dict)
+
+
+def model_layer_types(model) -> tuple[str, ...]:
+    """The type of each of the model's layers (:func:`vase.engine.geometry.config_layer_types` of its language
+    model's config): ``full_attention``, ``sliding_attention`` or ``linear_attention``."""
+    from vase.engine.geometry import config_layer_types
+    from vase.engine.linear_state import text_config
+
+    return config_layer_types(text_config(model.config))[0]
+
+
+def default_layers(types: Sequence[str], n: int = 5) -> list[int]:
+    """The analysis's default layers: ``n`` spread evenly over the model's full-attention layers (the first, every
+    ``1/(n-1)`` of them, the last; on a 24-layer model of full attention only: 0, 6, 12, 18, 23), by the model's
+    layer index. Full-attention layers hold every token's value state (and the policy's budget applies to them);
+    sliding-window layers hold only their window's last tokens and linear-attention layers no per-token values, so
+    they are left out (a sliding layer is analysed when named)."""
+    full = [i for i, t in enumerate(types) if t == FULL]
+    if not full:
+        raise ValueError("layers: the model has no full-attention layer; name sliding-window layers explicitly")
+    picks = {full[min(len(full) - 1, round(k * len(full) / (n - 1)))] for k in range(n - 1)} | {full[-1]}
+    return sorted(picks)
+
+
+def select_layers(types: Sequence[str], layers: Sequence[int] | None) -> list[int]:
+    """``layers`` checked against the model's layer ``types`` (one-line ``ValueError`` for an index out of range or
+    a linear-attention layer, which keeps no per-token values), or :func:`default_layers` for ``None`` (one log line
+    naming the layers chosen and the sliding / linear layers left out)."""
+    n_layers = len(types)
+    if layers is None:
+        chosen = default_layers(types)
+        left = ", ".join(f"{types.count(t)} {t}" for t in (SLIDING, LINEAR_TYPE) if t in types)
+        logger.info("value analysis: full-attention layers %s%s", chosen, f" (left out: {left} layers)" if left else "")
+        return chosen
+    bad = [x for x in layers if not 0 <= x < n_layers]
+    if bad:
+        raise ValueError(f"layers: {bad} out of range for a model with {n_layers} layers")
+    kv = [i for i, t in enumerate(types) if t != LINEAR_TYPE]
+    linear = [x for x in layers if x not in kv]
+    if linear:  # a hybrid model's Gated DeltaNet layers keep a fixed state, no per-token values
+        raise ValueError(f"layers: {linear} are linear-attention layers (no value cache); full-attention layers: {kv}")
+    return list(layers)
 
 
 def capture_values(
     model,
     prompt_ids: Sequence[int],
-    layers: Sequence[int],
+    layers: Sequence[int] | None,
     *,
     max_new_tokens: int,
     sampling=None,
@@ -163,22 +215,16 @@ def capture_values(
     """Decode one sample with the full cache through :func:`vase.engine.decode.generate`; return the layers' values.
 
     The cache is taken through generate's ``on_cache`` hook and read after decoding (one row, so no row ever leaves
-    the batch and the cache holds every token's value state).
+    the batch and the cache holds every token's value state). ``layers`` are the model's layer indices
+    (:func:`select_layers`; ``None``: :func:`default_layers`). A full-attention layer gives every token's value, a
+    sliding-window layer the tokens its ring holds at the end (the last ``window`` positions, sorted by position; the
+    ring's slot of position ``p`` is ``p % window``); a linear-attention layer is refused (no per-token values).
     """
     from vase.engine import SamplingConfig, generate
-    from vase.engine.geometry import config_layer_types
-    from vase.engine.linear_state import LINEAR, text_config
     from vase.engine.policy import FullCache
 
-    n_layers = model.config.num_hidden_layers
-    bad = [x for x in layers if not 0 <= x < n_layers]
-    if bad:
-        raise ValueError(f"layers: {bad} out of range for a model with {n_layers} layers")
-    types = config_layer_types(text_config(model.config))[0]
-    kv = [i for i, t in enumerate(types) if t != LINEAR]
-    linear = [x for x in layers if x not in kv]
-    if linear:  # a hybrid model's Gated DeltaNet layers keep a fixed state, no per-token values
-        raise ValueError(f"layers: {linear} are linear-attention layers (no value cache); full-attention layers: {kv}")
+    types = model_layer_types(model)
+    layers = select_layers(types, layers)
     holder: list = []
     out = generate(
         model,
@@ -194,14 +240,25 @@ def capture_values(
     cache = holder[0]
     length = cache.length
     all_ids = np.asarray(list(prompt_ids) + list(out.tokens[0]), dtype=np.int64)
-    values = {}
+    values, positions = {}, {}
     for li in layers:
         layer = cache.layers[li]
-        pos = layer.positions[0, 0, :length].cpu().numpy()
-        if not np.array_equal(pos, np.arange(length)):
-            raise RuntimeError(f"layer {li}: full-cache positions are not 0..{length - 1}; was the cache evicted?")
-        values[li] = layer.values[0, :, :length].float().cpu().numpy()
-    return ValueCapture(str(problem_id), all_ids[:length], len(prompt_ids), values)
+        if layer.is_sliding:  # the ring: the last min(length, window) positions, slot p % window
+            ring = layer.positions[0, 0].cpu().numpy()
+            slots = np.flatnonzero(ring >= 0)
+            slots = slots[np.argsort(ring[slots], kind="stable")]
+            pos = ring[slots]
+            if not np.array_equal(pos, np.arange(max(0, length - layer.window), length)):
+                raise RuntimeError(f"layer {li}: the ring does not hold the last {layer.window} of {length} positions")
+            values[li] = layer.values[0][:, torch.from_numpy(slots).to(layer.values.device)].float().cpu().numpy()
+        else:
+            pos = layer.positions[0, 0, :length].cpu().numpy()
+            if not np.array_equal(pos, np.arange(length)):
+                raise RuntimeError(f"layer {li}: full-cache positions are not 0..{length - 1}; was the cache evicted?")
+            values[li] = layer.values[0, :, :length].float().cpu().numpy()
+        positions[li] = pos.astype(np.int64)
+    kinds = {li: types[li] for li in layers}
+    return ValueCapture(str(problem_id), all_ids[:length], len(prompt_ids), values, positions, kinds)
 
 
 def token_records(
@@ -210,21 +267,24 @@ def token_records(
     group_sizes: Sequence[int] = (32, 64),
     quantizer: str = "minmax",
 ) -> pd.DataFrame:
-    """One row per (layer, head, position): ``problem_id``, ``layer``, ``head``, ``position``, ``token_id``,
-    ``is_prompt``, ``range``, ``l2``, ``absmax``, and per (b, g) ``qerr_b{b}_g{g}`` (relative) and
-    ``qabs_b{b}_g{g}`` (absolute) quantization errors under ``quantizer`` (:data:`QUANTIZERS`; HQQ quantizes one
-    layer of the sample at once, as the authors do per example)."""
+    """One row per (layer, head, position): ``problem_id``, ``layer`` (the model's index), ``layer_type``
+    (``full_attention`` / ``sliding_attention``), ``head``, ``position`` (absolute), ``token_id``, ``is_prompt``,
+    ``range``, ``l2``, ``absmax``, and per (b, g) ``qerr_b{b}_g{g}`` (relative) and ``qabs_b{b}_g{g}`` (absolute)
+    quantization errors under ``quantizer`` (:data:`QUANTIZERS`; HQQ quantizes one layer of the sample at once, as
+    the authors do per example)."""
     frames = []
     for li, vals in capture.values.items():
-        v = torch.from_numpy(vals)  # (H, T, D)
+        v = torch.from_numpy(vals)  # (H, T_l, D)
         h, t, _ = v.shape
+        pos = capture.positions.get(li, np.arange(t))
         cols: dict[str, np.ndarray] = {
             "problem_id": np.full(h * t, capture.problem_id, dtype=object),
             "layer": np.full(h * t, li, dtype=np.int32),
+            "layer_type": np.full(h * t, capture.layer_types.get(li, FULL), dtype=object),
             "head": np.repeat(np.arange(h, dtype=np.int32), t),
-            "position": np.tile(np.arange(t, dtype=np.int32), h),
-            "token_id": np.tile(capture.token_ids[:t], h),
-            "is_prompt": np.tile(np.arange(t) < capture.prompt_len, h),
+            "position": np.tile(pos.astype(np.int32), h),
+            "token_id": np.tile(capture.token_ids[pos], h),
+            "is_prompt": np.tile(pos < capture.prompt_len, h),
         }
         for name, stat in value_stats(v).items():
             cols[name] = stat.reshape(-1).numpy()
@@ -270,14 +330,25 @@ def flag_large(df: pd.DataFrame, large: float | str = 5.0, stat: str = "range") 
     return df[stat] >= grouped.transform(lambda x: x.quantile(1 - v))
 
 
+def _layer_type(sub: pd.DataFrame) -> str:
+    """The ``layer_type`` of one layer's records (records written before the column: ``full_attention``)."""
+    return str(sub["layer_type"].iloc[0]) if "layer_type" in sub.columns and len(sub) else FULL
+
+
 def per_layer_stats(df: pd.DataFrame, ks: Sequence[float] = (3, 5, 10)) -> pd.DataFrame:
-    """Per layer: tokens, median / p90 / p99 / max of range and L2, max/median range ratio, the share of tokens
-    whose range exceeds ``k ×`` their (layer, head) median for each ``k``, and the sinks' (positions 0-3) median range
-    relative to the layer's median."""
+    """Per layer (and its ``layer_type``): tokens, median / p90 / p99 / max of range and L2, max/median range ratio,
+    the share of tokens whose range exceeds ``k ×`` their (layer, head) median for each ``k``, and the sinks'
+    (positions 0-3) median range relative to the layer's median (NaN on a sliding layer whose ring no longer holds
+    them)."""
     rows = []
     flags = {k: flag_large(df, k) for k in ks}
     for li, sub in df.groupby("layer"):
-        row = {"layer": int(li), "tokens": int(len(sub)), "heads": int(sub["head"].nunique())}
+        row = {
+            "layer": int(li),
+            "layer_type": _layer_type(sub),
+            "tokens": int(len(sub)),
+            "heads": int(sub["head"].nunique()),
+        }
         for s in ("range", "l2"):
             q = sub[s].quantile([0.5, 0.9, 0.99]).to_numpy()
             row.update({f"{s}_median": q[0], f"{s}_p90": q[1], f"{s}_p99": q[2], f"{s}_max": float(sub[s].max())})
@@ -320,6 +391,7 @@ def large_value_locations(df: pd.DataFrame, large: float | str = 5.0) -> pd.Data
                     {
                         "definition": large_label(large),
                         "layer": int(li),
+                        "layer_type": _layer_type(sub),
                         "kind": col,
                         "where": label,
                         "tokens": int(here.sum()),
@@ -365,6 +437,7 @@ def quant_error_correlation(df: pd.DataFrame) -> pd.DataFrame:
             rows.append(
                 {
                     "layer": int(li),
+                    "layer_type": _layer_type(sub),
                     "bits": int(b),
                     "group_size": int(g),
                     "spearman_relative": spearman(sub["range"], sub[c]),
@@ -412,6 +485,8 @@ def analyze(
         ks: the multiples of the median whose exceedance shares :func:`per_layer_stats` reports.
     """
     ks = tuple(sorted(set(ks) | {v for kind, v in map(parse_large, large) if kind == "x"}))
+    if "layer_type" not in records.columns:  # records written before the column: full-attention layers
+        records = records.assign(layer_type=FULL)
     return ValueAnalysis(
         records,
         per_layer_stats(records, ks),

@@ -23,9 +23,17 @@ def _width(inches: float) -> float:
     return min(max(inches, COLUMN_WIDTH), 2 * COLUMN_WIDTH)
 
 
+def layer_labels(df: pd.DataFrame, layers) -> list[str]:
+    """Tick labels of ``layers``: the model's index, ``"<i> sw"`` for a sliding-window layer (its ring's tokens
+    only; ``df``'s ``layer_type``, absent in records written before it: full attention)."""
+    kinds = dict(zip(df["layer"], df["layer_type"])) if "layer_type" in df.columns else {}
+    return [f"{li} sw" if kinds.get(li) == "sliding_attention" else str(li) for li in layers]
+
+
 def plot_distributions(df: pd.DataFrame, title: str = "") -> Figure:
     """Violins of the value range and the L2 norm per layer (log scale)."""
     layers = sorted(df["layer"].unique())
+    labels = layer_labels(df, layers)
     fig = new_figure(_width(0.55 * len(layers) + 1.6), 2.6)
     axes = fig.subplots(1, 2)
     for ax, stat, color in zip(axes, ("range", "l2"), ("#1f77b4", "#ff7f0e")):
@@ -34,8 +42,8 @@ def plot_distributions(df: pd.DataFrame, title: str = "") -> Figure:
         for body in parts["bodies"]:
             body.set_facecolor(color)
             body.set_alpha(0.55)
-        ax.set_xticks(np.arange(1, len(layers) + 1), [str(x) for x in layers])
-        ax.set_xlabel("layer")
+        ax.set_xticks(np.arange(1, len(layers) + 1), labels)
+        ax.set_xlabel("layer (sw: sliding window)" if any(t.endswith(" sw") for t in labels) else "layer")
         ax.set_ylabel(f"log10 value {'range (max - min)' if stat == 'range' else 'L2 norm'}")
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title or "Value-state magnitude per layer (all heads, all tokens)")
@@ -56,7 +64,7 @@ def plot_share_above(stats: pd.DataFrame, title: str = "") -> Figure:
             width=w,
             label=c.replace("share_above_", "> ").replace("_median", " median"),
         )
-    ax.set_xticks(x, stats["layer"].astype(str))
+    ax.set_xticks(x, layer_labels(stats, stats["layer"]))
     ax.set_xlabel("layer")
     ax.set_ylabel("% of tokens (per head median)")
     ax.legend()

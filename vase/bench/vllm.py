@@ -195,6 +195,7 @@ def build_work(run_args: list[str]) -> dict:
         greedy=bool(gen.greedy),
         eos_token_ids=sorted(int(x) for x in eos),
         thinking=thinking,
+        reasoning_format=spec.reasoning_format,
     )
 
 
@@ -286,7 +287,10 @@ def run_vllm(work: dict, args: argparse.Namespace, dtype: str, log: Path) -> dic
     if out is None:
         return dict(row, error=f"exit {got['rc']}: {last_line(log)}")
     task, tok, problems = work["task"], work["tokenizer"], work["problems"]
-    texts = [tok.decode(s["tokens"], skip_special_tokens=True) for s in out["samples"]]
+    from vase.reasoning import output_text  # the runner's text of a sample (model.reasoning_format)
+
+    fmt = work.get("reasoning_format", "think_tags")
+    texts = [output_text(tok, s["tokens"], fmt) for s in out["samples"]]
     grades = task.grade_many([(problems[s["problem"]], t) for s, t in zip(out["samples"], texts)], work["thinking"])
     tokens = sum(len(s["tokens"]) for s in out["samples"])
     reasons: dict[str, int] = {}

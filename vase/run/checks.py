@@ -30,6 +30,8 @@ from omegaconf.errors import OmegaConfBaseException
 ATTN_BACKENDS = ("auto", "sdpa", "eager", "flash_attn")
 #: ``model.dtype``: ``auto`` (the checkpoint's own dtype) or a name of ``vase.models.DTYPES``.
 MODEL_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "float32", "fp32")
+#: ``model.reasoning_format`` (= ``vase.models.REASONING_FORMATS``).
+REASONING_FORMATS = ("think_tags", "harmony")
 #: ``generation.compile`` (= ``vase.engine.compiled.COMPILE_SETTINGS``; YAML's unquoted on / off read as true / false).
 COMPILE_SETTINGS = ("auto", "on", "off")
 #: ``generation.batching``.
@@ -278,6 +280,7 @@ def _check_flash_attn(cfg: DictConfig) -> None:
 
 def _check_model(cfg: DictConfig) -> None:
     _choice(cfg, "model.dtype", MODEL_DTYPES)
+    _choice(cfg, "model.reasoning_format", REASONING_FORMATS)
     device = _get(cfg, "model.device")
     if device is not _ABSENT and not (
         device in ("auto", "cpu", "cuda") or (isinstance(device, str) and re.fullmatch(r"cuda:\d+", device))

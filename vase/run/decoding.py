@@ -22,6 +22,7 @@ import torch
 from vase.engine import Decoder, Request, model_geometry
 from vase.engine.cache import cache_capacity
 from vase.engine.memory import plan_rows
+from vase.reasoning import output_text
 from vase.run.grading_pool import Grader
 from vase.run.planning import Prepared, Work, resolved_spec
 from vase.run.records import NOT_DECODED, ThroughputLog, manifest, rank_entry, row_maker
@@ -201,7 +202,7 @@ def decode(
         try:
             for fin in dec.run(requests):
                 w = by_id[fin.key]
-                text = tokenizer.decode(fin.tokens, skip_special_tokens=True)
+                text = output_text(tokenizer, fin.tokens, spec.reasoning_format)  # <think>…</think>answer
                 meter.decoded += 1
                 make_row = row_maker(prep, w.problem, fin, text, dec.geometry)
                 grader.submit(w.problem, text, make_row, grade=fin.finish_reason not in NOT_DECODED)  # line once graded

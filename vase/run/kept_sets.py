@@ -2,6 +2,12 @@
 
 The analysis of the recorded sets (Jaccard overlap across heads, layers and samples) is
 :mod:`vase.analysis.diversity`; this module is the recording side used by the runner.
+
+Layers: only the full-attention layers evict (``VaseCache.evicting_layers``), so only they are recorded; a
+sliding-window layer (gpt-oss, OLMo-3) keeps its ring and a linear-attention layer (Qwen3.5, Qwen3-Next) its state,
+never evicted. Every recorded ``layer`` is the model's layer index (``VaseLayer.layer_idx``, as in
+``model.model.layers[i]``), not the layer's index among the full-attention layers (``store_idx``): on a tiny
+gpt_oss of 4 layers (sliding, full, sliding, full) the events are of layers 1 and 3.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ class KeptEvent:
 
     Attributes:
         problem_id: the problem being decoded.
-        layer: layer index.
+        layer: the model's layer index of the full-attention layer that evicted (``VaseLayer.layer_idx``; not its
+            index among the full-attention layers).
         index: the layer's eviction count at this event (0 = first eviction).
         samples: ``(rows,)`` sample index of each live row.
         kept: ``(rows, H, K)`` int32 kept absolute positions, sorted along the last axis.
@@ -54,7 +61,8 @@ class KeptSetRecorder:
         every: record each row's evictions ``0, every, 2*every, ...`` of a layer only.
         max_events_per_layer: keep at most the last ``n`` recorded events per (problem, sample, layer) (``None`` =
             all); the default 1 keeps only the last eviction: one kept set per (layer, row, head).
-        layers: record only these layers (``None`` = all).
+        layers: record only these layers, by the model's layer index (``None`` = every full-attention layer); a
+            layer that does not evict (sliding-window, linear-attention) is refused when the recorder is attached.
     """
 
     def __init__(self, every: int = 1, max_events_per_layer: int | None = 1, layers: Sequence[int] | None = None):
@@ -70,7 +78,15 @@ class KeptSetRecorder:
         self._rows: dict[tuple[str, int, int], list[tuple[int, np.ndarray]]] = defaultdict(list)
 
     def attach(self, cache, problem_id: str = "") -> None:
-        """Start recording ``cache``'s evictions (sets ``cache.on_evict``); ``problem_id`` names bare-sample rows."""
+        """Start recording ``cache``'s evictions (sets ``cache.on_evict``); ``problem_id`` names bare-sample rows.
+        One-line ``ValueError`` when :attr:`layers` names a layer that never evicts (not full attention)."""
+        evicting = [int(x.layer_idx) for x in getattr(cache, "evicting_layers", ())]
+        other = sorted(self.layers - set(evicting)) if self.layers is not None and evicting else []
+        if other:
+            raise ValueError(
+                f"record_kept.layers: {other} never evict (not full-attention layers); the model's full-attention "
+                f"layers: {evicting}"
+            )
         self._problem = str(problem_id)
         cache.on_evict = self._on_evict
 

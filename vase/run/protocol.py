@@ -131,6 +131,7 @@ def protocol_knobs(prep: Any, grader: str) -> dict:
 #: settings added to ``protocol.json`` after runs were made, by (section, key): the values under which a stored run
 #: that lacks the key was made (the harness's behaviour before the setting existed); see :func:`comparable`
 LATER_KEYS: dict[tuple[str, str], tuple[Any, ...]] = {
+    ("model", "reasoning_format"): ("think_tags",),
     ("task", "equivalence"): ("math_verify",),
     ("task", "code_extraction"): ("harness",),
     ("protocol", "equivalence"): (None, "math_verify"),

@@ -21,10 +21,11 @@ Per-sample flags (definitions used in the docs):
   ``nonfinite`` (the logits became NaN/inf: a numerical failure, reported with ``error``; its tokens are kept up to
   the failure), ``prompt_too_long`` (the prompt leaves no room under ``max_length``; not decoded).
 * ``cut_by_limit``: ``finish_reason == "length"``.
-* ``cut_in_thinking``: a thinking run's output has no closing ``</think>`` (a ``<think>`` left open counts too), so
-  no answer could be extracted; usually the limit cut it (then ``cut_by_limit`` is true as well), but a sample can
-  also end at EOS without closing its thinking. Without thinking, only an output that opens ``<think>`` itself and
-  never closes it.
+* ``cut_in_thinking``: a thinking run's output (``output``: the text of :mod:`vase.reasoning`, where a harmony
+  output without a ``final`` message is an unclosed ``<think>``) has no closing ``</think>`` (a ``<think>`` left
+  open counts too), so no answer could be extracted; usually the limit cut it (then ``cut_by_limit`` is true as
+  well), but a sample can also end at EOS without closing its thinking. Without thinking, only an output that
+  opens ``<think>`` itself and never closes it.
 * ``loop_class``: ``loop`` / ``garbage`` / ``truncated`` / ``ok`` by the paper's detectors (method.md §4, first that
   applies): ``truncated`` is ``cut_in_thinking`` for a thinking run and ``cut_by_limit`` otherwise; or ``nonfinite`` /
   ``prompt_too_long`` for samples that were not decoded to the end (never counted as loops).
@@ -425,6 +426,8 @@ def manifest(prep, model, tokenizer, spec, dtype_reason: str, dec, plan, stop) -
             "name": spec.name,
             "revision": spec.revision,
             "resolved": spec.resolve(),
+            # how the generated tokens became the recorded text (think_tags / harmony: vase/reasoning.py)
+            "reasoning_format": spec.reasoning_format,
             "dtype": str(next(model.parameters()).dtype),
             "dtype_choice": dtype_reason,
             "attn_backend": dec.backend,
