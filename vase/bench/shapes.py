@@ -50,6 +50,19 @@ PRESETS: dict[str, dict] = {
         head_dim=128,
         tie_word_embeddings=True,
     ),
+    # Qwen3-4B's KV geometry (36 layers, 32 query / 8 KV heads, head_dim 128) with a small hidden size, MLP and
+    # vocabulary: an eviction event does Qwen3-4B's work while the forward is cheap, so on a CPU the eviction share
+    # is visible (an upper bound of the real model's, whose step is seconds of matmuls)
+    "qwen3-4b-kv": dict(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
     "qwen3-14b-shape": dict(
         vocab_size=151936,
         hidden_size=5120,
