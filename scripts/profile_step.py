@@ -2,6 +2,7 @@
 """Eager against compiled decode steps of a real model at a fixed number of live rows, and where the time goes.
 
 Every step covers exactly ``--rows`` rows (EOS ignored, equal prompts), so the compiled step pays no bucket padding;
+``--live 9 --rows 16`` decodes 9 prompts in 16 slots, which a compiled step pads to its bucket of 16;
 ``torch.profiler`` groups the operators' self time of a window of steady steps into matrix products, attention, the
 compiled graph's kernels and the rest (vase/bench/step_profile.py). The embedded default's model and policy::
 
@@ -31,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--live", type=int, default=None, help="prompts decoded (default --rows; fewer: bucket padding)")
     ap.add_argument("--prompt-len", type=int, default=150)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--compile", default="off,on", help="comma list of generation.compile settings, run in order")
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             compile=mode,
             sampling=sampling,
             window=window,
+            live=args.live,
         )
         results.append(r)
         shares = ", ".join(f"{g} {100 * s:.1f} %" for g, s in (r.shares or {}).items())

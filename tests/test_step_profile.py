@@ -36,3 +36,15 @@ def test_a_profiled_eager_decode_covers_every_row_at_every_step():
     assert r.steps == 23 and len(r.step_ms) == 22  # the prefill samples the first token; one step per token after
     assert r.shares is not None and sum(r.shares.values()) == pytest.approx(1.0)
     assert r.shares["matmul"] > 0 and r.top_ops and r.tokens_per_second > 0
+
+
+def test_fewer_prompts_than_rows_and_a_bad_live_count():
+    from tests.test_continuous import MODEL, load_policy
+    from vase.models import tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model("qwen3", **MODEL)
+    r = profile_decode(model, load_policy("full"), rows=4, live=3, prompt_len=12, new_tokens=8, compile="off")
+    assert r.rows == 3 and r.steps == 7 and r.shares is None
+    with pytest.raises(ValueError, match="live: must be between 1 and rows=4"):
+        profile_decode(model, load_policy("full"), rows=4, live=5, prompt_len=12, new_tokens=8, compile="off")

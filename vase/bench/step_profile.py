@@ -54,7 +54,7 @@ def op_shares(events: Iterable) -> dict[str, float]:
 
 @dataclass
 class StepProfile:
-    """One decode's step times and, if profiled, its operator shares."""
+    """One decode's step times and, if profiled, its operator shares (``rows``: the live rows of every step)."""
 
     compile: str
     rows: int
@@ -86,6 +86,7 @@ def profile_decode(
     sampling=None,
     window: tuple[int, int] | None = None,
     seed: int = 0,
+    live: int | None = None,
 ) -> StepProfile:
     """Decode ``rows`` random prompts of ``prompt_len`` tokens for ``new_tokens`` tokens each (EOS ignored).
 
@@ -94,15 +95,20 @@ def profile_decode(
         policy: a cache policy (a fresh one per call: policies hold per-run state).
         compile: ``generation.compile`` (``"off"`` or ``"on"``).
         window: ``(first, last)`` decode steps profiled with ``torch.profiler`` (``None``: not profiled).
+        live: prompts decoded (default ``rows``); fewer than ``rows`` leaves slots free, so a compiled step pads
+            ``live`` up to its row bucket (:func:`vase.engine.cache.row_bucket`) while an eager one covers ``live``.
     """
     from vase.engine import Decoder, Request, sample_seeds
     from vase.engine.cache import cache_capacity
 
     gen = torch.Generator().manual_seed(seed)
     vocab = int(model.config.get_text_config().vocab_size)
-    prompts = [torch.randint(100, min(vocab, 20000), (prompt_len,), generator=gen).tolist() for _ in range(rows)]
+    live = rows if live is None else live
+    if not 1 <= live <= rows:
+        raise ValueError(f"live: must be between 1 and rows={rows}, got {live}")
+    prompts = [torch.randint(100, min(vocab, 20000), (prompt_len,), generator=gen).tolist() for _ in range(live)]
     requests = [Request(p, sample_seeds(seed + i, 1), key=i) for i, p in enumerate(prompts)]
-    out = StepProfile(compile=compile, rows=rows, steps=0)
+    out = StepProfile(compile=compile, rows=live, steps=0)
     stamps: list[float] = []
     prof: dict = {}
 
