@@ -22,7 +22,6 @@ import torch
 from tests.policy_configs import load_small
 from tests.test_continuous import decode_all, prompts
 from tests.test_engine import check_eviction_equals_masking
-from tests.test_policies_e2e import run_and_check
 from vase.engine import Request, SamplingConfig, generate
 from vase.engine.attention import (
     additive_mask,
@@ -223,28 +222,12 @@ def test_a_sliding_layer_holds_exactly_the_window_and_no_policy_touches_it(name,
         assert all(rows == [frozenset()] * cache.storage.rows for rows in cache.storage.state.keys[len(full) :])
 
 
-@pytest.mark.parametrize(
-    ("arch", "name"),
-    [
-        ("olmo3", "vase_dkv"),
-        ("gpt_oss", "vase_dkv"),
-        pytest.param("olmo3", "snapkv", marks=pytest.mark.slow),
-        pytest.param("gpt_oss", "snapkv", marks=pytest.mark.slow),
-    ],
-)
-def test_eviction_equals_masking(arch, name, tmp_path):
-    """tests/test_engine.py's proof, with the sliding layers' ring (what it holds, in the window) and the sinks in
-    the masked reference."""
-    check_eviction_equals_masking(_model(arch), name, tmp_path)
-
-
-@pytest.mark.parametrize("name", ["vase_dkv", pytest.param("snapkv", marks=pytest.mark.slow), "quest"])
-def test_policy_runs_end_to_end_on_gpt_oss(name, tmp_path):
-    """tests/test_policies_e2e.py's checks on gpt_oss (evicts, sinks kept, capacity as planned; selection attends to
-    fewer). Four layers (sliding, full, sliding, full): Quest's dense first layers leave layer 3 to select in."""
-    prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3)).tolist()
-    model = _model("gpt_oss", num_hidden_layers=4)
-    assert run_and_check(model, prompt, name, budget=32, window=8, new_tokens=64, tmp_path=tmp_path)
+# gpt_oss's cells (every eviction config's proof, every config end to end) are in tests/test_family_matrix.py
+@pytest.mark.parametrize("name", ["vase_dkv", pytest.param("snapkv", marks=pytest.mark.slow)])
+def test_eviction_equals_masking(name, tmp_path):
+    """tests/test_engine.py's proof on olmo3, with the sliding layers' ring (what it holds, in the window) in the
+    masked reference."""
+    check_eviction_equals_masking(_model("olmo3"), name, tmp_path)
 
 
 # ---- accounting ------------------------------------------------------------------------------------------------
