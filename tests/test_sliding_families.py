@@ -57,6 +57,28 @@ def _qkv(n: int, hq: int, h: int, t: int, length: int, d: int = 16, seed: int = 
     return q, k, v, sinks
 
 
+def test_a_float64_model_s_softmax_and_sink_correction_are_float64():
+    """The eager reference's softmax and the SDPA paths' sink correction run in float64 on float64 inputs (float32
+    otherwise): both equal an explicit float64 softmax with the sink logit to 1e-13 (float32 would leave ~1e-7), so a
+    float64 eviction = masking proof has float64's precision (tests/test_family_matrix.py's gpt_oss cells)."""
+    n, hq, h, length = 2, 8, 2, 40
+    q, k, v, sinks = (x.double() for x in _qkv(n, hq, h, 1, length))
+    held = torch.arange(length)[None, :] < torch.tensor([17, 40])[:, None]
+    scale = 16**-0.5
+    logits = q @ k.repeat_interleave(hq // h, 1).transpose(2, 3) * scale  # (n, Hq, 1, L) float64
+    logits = logits.masked_fill(~held[:, None, None, :], float("-inf"))
+    probs = torch.cat((logits, sinks.view(1, -1, 1, 1).expand(n, -1, 1, 1)), -1).softmax(-1)[..., :-1]
+    want = probs @ v.repeat_interleave(hq // h, 1)
+    eager = eager_attention(q, k, v, scale, causal=False, mask=held[:, None, None, :], sinks=sinks)
+    packed = decode_attention(q, k, v, scale, additive_mask(held[:, None, :], q.dtype), sinks)
+    assert eager.dtype == packed.dtype == torch.float64
+    assert (eager - want).abs().max() < 1e-13 and (packed - want).abs().max() < 1e-13
+    assert (
+        eager_attention(q.float(), k.float(), v.float(), scale, False, held[:, None, None, :], sinks.float()).double()
+        - want
+    ).abs().max() > 1e-9
+
+
 def test_packed_sdpa_decode_with_sinks_equals_the_eager_reference():
     """Three rows holding 5, 37 and 64 of 64 slots (an additive row mask), GQA 8:1, and a per-KV-head selection."""
     n, hq, h, length = 3, 16, 2, 64
