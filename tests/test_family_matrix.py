@@ -7,7 +7,8 @@
 * it **runs**: the policy's ``check_model`` (the runner's preflight) accepts the model, and
   tests/test_policies_e2e.py's ``run_and_check`` holds (it evicts, sinks kept in every full-attention layer, the
   capacity as planned; a selection policy attends to fewer tokens than it holds); an eviction policy's eviction also
-  equals masking (tests/test_engine.py's proof on gpt_oss, tests/test_hybrid_models.py's stepwise one on qwen3_5);
+  equals masking (tests/test_engine.py's proof on gpt_oss, in float64; tests/test_hybrid_models.py's stepwise one on
+  qwen3_5);
 * or it is **refused** (:data:`REFUSED`): ``check_model`` raises one line matching the reason, and so does the engine
   (``generate``) before any forward.
 
