@@ -105,6 +105,12 @@ def pool_blocks(keys: torch.Tensor, block_size: int, pooling: tuple[str, ...]) -
 # ---- the policy -----------------------------------------------------------------------------------------------------
 
 
+def _rope_type(model_config) -> str:
+    """The config's RoPE type (``rope_parameters`` or the older ``rope_scaling``; ``default`` when neither says)."""
+    rope = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
 @dataclass
 class SeerAttentionR(SelectionPolicy):
     """SeerAttention-R's decode gate over the full cache (see the module docstring).
@@ -186,12 +192,20 @@ class SeerAttentionR(SelectionPolicy):
             )
 
     def check_model(self, model_config) -> None:
-        """Refuse partial RoPE and NoPE from the model's config, in the preflight (before any file or weight)."""
+        """Refuse partial RoPE, NoPE and a RoPE type other than the default (gpt-oss's YaRN) from the model's
+        config, in the preflight (before any file or weight): the gate rotates its keys with the default RoPE."""
         partial = partial_rope(model_config)
         _check(
             partial is None,
             "policy seer_attention_r",
             f"undoes RoPE over the whole head dim of every layer; {partial}: not supported yet",
+        )
+        rope_type = _rope_type(model_config)
+        _check(
+            rope_type == "default",
+            "policy seer_attention_r",
+            f"RoPE type {rope_type!r} is not supported (the gates rotate with the default RoPE); use a model with the "
+            "default RoPE (Qwen3)",
         )
 
     def setup(self, model_config) -> None:
@@ -202,7 +216,7 @@ class SeerAttentionR(SelectionPolicy):
         where = f"policy seer_attention_r (gates {gates.source})"
         rope = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
         theta = rope.get("rope_theta", getattr(model_config, "rope_theta", None))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_type = _rope_type(model_config)
         heads = model_config.num_attention_heads
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
         model = (

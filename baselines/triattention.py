@@ -63,8 +63,11 @@ def complex_pairs(x: torch.Tensor) -> torch.Tensor:
 
 
 def invert_rope(rotated: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """Undo RoPE: ``rotated (..., T, D)`` with the model's ``cos``/``sin`` ``(T, D)`` (which include ``scale``)."""
+    """Undo RoPE: ``rotated (..., T, D)`` with the model's ``cos``/``sin`` ``(T, D)`` (which include ``scale``), or
+    ``(T, D/2)``: one per frequency (gpt-oss's rotary embedding; its ``_apply_rotary_emb`` rotates the same halves)."""
     d = rotated.shape[-1] // 2
+    if cos.shape[-1] == d:
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     half = torch.cat([-rotated[..., d:], rotated[..., :d]], dim=-1)
     return (rotated * cos - half * sin) / (scale * scale)
 

@@ -94,9 +94,11 @@ def test_eviction_equals_masking(arch, name, tmp_path):
     )
 
 
-def check_eviction_equals_masking(model, name, tmp_path):
+def check_eviction_equals_masking(model, name, tmp_path, tol: float = 2e-5):
     """The proof of :func:`test_eviction_equals_masking` on ``model`` with policy config ``name`` (reused by
-    tests/test_model_families.py for every family)."""
+    tests/test_model_families.py for every family): each step's logits within ``tol`` of the reference's, relative
+    to the largest of them (fp32 rounding: 2e-5; a float64 model, whose reference softmax and sink correction are
+    float64 too, agrees to ~1e-15)."""
     prompt = _prompt(20)
     rows, window, budget, new = 2, 8, 32, 70
     policy = load_small(name, budget, window, model, tmp_path)
@@ -166,7 +168,7 @@ def check_eviction_equals_masking(model, name, tmp_path):
         diff = (logits[step] - ref[:, i]).abs().max().item()
         # fp32 rounding of ~10-sized logits after 3 layers (the same check in float64 agrees to 1e-12:
         # tests/test_attention_kernels.py::test_eviction_equals_masking_in_float64)
-        assert diff <= 2e-5 * max(1.0, ref[:, i].abs().max().item()), (step, diff)
+        assert diff <= tol * max(1.0, ref[:, i].abs().max().item()), (step, diff)
         if step > 1 and snapshots[step - 1][full_layers[0]].shape[-1] < i:
             evicted_something = True
     assert evicted_something

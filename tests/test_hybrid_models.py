@@ -26,7 +26,6 @@ from transformers import DynamicCache
 from tests.policy_configs import load_small
 from tests.test_continuous import decode_all, prompts
 from tests.test_engine import _MASKS  # and the masked reference attention it registers
-from tests.test_policies_e2e import run_and_check
 from vase.engine import Decoder, Request, SamplingConfig, generate, sample_seeds
 from vase.engine.cache import cache_capacity
 from vase.engine.geometry import config_geometry, model_geometry, partial_rope
@@ -157,16 +156,26 @@ def test_the_row_check_fails_when_the_state_stays_behind(monkeypatch):
     assert any(f.tokens != alone[key] for key, f in batched.items())
 
 
+def masking_model(arch: str):
+    """The tiny hybrid model of the stepwise masking proof: linear, full, linear, full; 4 query heads, 2 KV heads."""
+    return tiny_model(arch, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)
+
+
+# qwen3_5's cells are in tests/test_family_matrix.py (every eviction config); the MoE families' here
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["vase_dkv", "snapkv"])
-@pytest.mark.parametrize("arch", SLOW_FAMILIES)
+@pytest.mark.parametrize("arch", FAMILIES[1:])
 def test_eviction_equals_masking_on_the_attention_layers(arch, name, tmp_path):
+    check_stepwise_eviction_equals_masking(masking_model(arch), name, tmp_path)
+
+
+def check_stepwise_eviction_equals_masking(model, name: str, tmp_path) -> None:
     """tests/test_engine.py's proof on the KV layers: each step's logits equal the unmodified model's, decoding the
     same tokens with transformers' own cache (its linear layers step token by token, as ours), with a per-(KV layer,
     KV head) mask hiding exactly what was evicted before that step.
 
     (tests/test_engine.py's one forward over the whole sequence runs the linear layers' chunked algorithm instead:
     equal to the recurrent one up to fp32 rounding that grows past its 2e-5 tolerance over 90 tokens.)"""
-    model = tiny_model(arch, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4)
     prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(1))
     rows, new = 2, 70
     policy = load_small(name, 32, 8, model, tmp_path)
@@ -292,21 +301,8 @@ def test_quest_dense_layers_are_the_model_s_first_layers(tmp_path):
     assert stats[4]["attended_tokens"] == stats[4]["held_tokens"]
 
 
-@pytest.mark.parametrize("name", ["triattention", "seer_attention_r"])
-def test_policies_that_undo_rope_refuse_the_hybrid_models(name, tmp_path):
-    """Their RoPE model covers the whole head dim: refused on the 25 % partial RoPE, in one line."""
-    model = tiny_model("qwen3_5", **TWO_KV)
-    with pytest.raises(ValueError, match="partial_rotary_factor.*not supported yet") as err:
-        load_small(name, 32, 8, model, tmp_path).check_model(model.config)
-    assert "\n" not in str(err.value)
-
-
-@pytest.mark.parametrize("name", ["vase_dkv", "snapkv", "quest", "vase_attnv"])
-def test_policy_runs_end_to_end(name, tmp_path):
-    """tests/test_policies_e2e.py's checks on the KV layers (evicts, sinks kept, capacity as planned)."""
-    model = tiny_model("qwen3_5", **TWO_KV)
-    prompt = torch.randint(0, 256, (20,), generator=torch.Generator().manual_seed(3)).tolist()
-    assert run_and_check(model, prompt, name, budget=32, window=8, new_tokens=64, tmp_path=tmp_path) is not None
+# Every policy config end to end on qwen3_5 (or refused in one line: TriAttention and SeerAttention-R on its partial
+# RoPE): tests/test_family_matrix.py.
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

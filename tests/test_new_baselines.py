@@ -128,16 +128,23 @@ def test_triattention_keeps_the_top_normalised_group_reduced_scores(layout, grou
                     assert gap < 3e-6, (b, hh, float(gap))
 
 
-def test_invert_rope_undoes_the_models_rope():
-    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss"])
+def test_invert_rope_undoes_the_models_rope(arch):
+    """With the model's own rotary embedding and ``apply_rotary_pos_emb``: Qwen3's ``(T, D)`` cos/sin; gpt-oss's
+    ``(T, D/2)`` ones (one per frequency) and YaRN's attention scaling (cos/sin scaled by it)."""
+    import importlib
 
-    model = tiny_model("qwen3")
+    apply_rotary_pos_emb = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}").apply_rotary_pos_emb
+    model = tiny_model(arch)
     rotary = model.model.rotary_emb
     x = torch.randn(1, 4, 12, 16)
     pos = torch.arange(12)[None]
     cos, sin = rotary(x, pos)
+    assert cos.shape[-1] == (16 if arch == "qwen3" else 8)
+    scale = float(getattr(rotary, "attention_scaling", 1.0))
+    assert (scale == 1.0) == (arch == "qwen3")
     rotated, _ = apply_rotary_pos_emb(x, x, cos, sin)
-    assert torch.allclose(invert_rope(rotated, cos[0], sin[0]), x, atol=1e-5)
+    assert torch.allclose(invert_rope(rotated, cos[0], sin[0], scale), x, atol=1e-5)
 
 
 def test_triattention_calibration_is_the_mean_pre_rope_query():

@@ -18,7 +18,7 @@ With a :class:`~vase.engine.cache.VaseCache` passed as the ``vase_cache`` keywor
      FlashAttention without) and never on the math kernel (``docs/architecture.md``, "Attention kernels");
    * FlashAttention-2 (``flash_attn_with_kvcache`` on the preallocated storage with per-row ``cache_seqlens``) when
      ``flash_attn.flash_attn_interface`` imports and the model is fp16/bf16 on CUDA;
-   * ``eager`` (explicit float32 softmax), kept as a reference for tests.
+   * ``eager`` (explicit float32 softmax; float64 for a float64 model), kept as a reference for tests.
 
 Causality: the prefill (one prompt, batch 1) is causal; a decode step attends to every held token of its row (they
 are all in its past). A sliding-window layer (``sliding_window=`` from the model) attends over the window: the
@@ -47,7 +47,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from vase.engine.sinks import decode_sink_factor, prefill_sink_factor
+from vase.engine.sinks import decode_sink_factor, prefill_sink_factor, softmax_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ def eager_attention(
     sinks: torch.Tensor | None = None,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Reference attention with an explicit softmax (float32).
+    """Reference attention with an explicit softmax (float32; float64 for a float64 model: ``softmax_dtype``).
 
     Args:
         query: ``(B, Hq, T, D)``; key, value: ``(B, H, L, D)`` with ``Hq % H == 0``.
@@ -155,7 +155,7 @@ def eager_attention(
     """
     groups = query.shape[1] // key.shape[1]
     k, v = _repeat_kv(key, groups), _repeat_kv(value, groups)
-    logits = torch.matmul(query, k.transpose(2, 3)).float() * scaling
+    logits = torch.matmul(query, k.transpose(2, 3)).to(softmax_dtype(query.dtype)) * scaling
     t, length = query.shape[2], key.shape[2]
     if causal and (t > 1 or window is not None):
         allowed = torch.ones(t, length, dtype=torch.bool, device=query.device).tril(length - t)
@@ -165,7 +165,7 @@ def eager_attention(
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     if sinks is not None:
-        sink = sinks.float().view(1, -1, 1, 1).expand(logits.shape[0], -1, t, 1)
+        sink = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(logits.shape[0], -1, t, 1)
         probs = torch.cat((logits, sink), dim=-1).softmax(dim=-1)[..., :-1].to(value.dtype)
     else:
         probs = logits.softmax(dim=-1).to(value.dtype)
@@ -221,7 +221,8 @@ def decode_attention(
     q = query.reshape(n, h, hq // h, d)
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=bias, scale=scaling)
     if sinks is not None:
-        out = (out.float() * decode_sink_factor(q, key, scaling, bias, sinks)).to(out.dtype)
+        factor = decode_sink_factor(q, key, scaling, bias, sinks)
+        out = (out.to(factor.dtype) * factor).to(out.dtype)
     return out.view(n, hq, 1, d)
 
 
@@ -272,7 +273,8 @@ def prefill_attention(
             query, k, v, is_causal=t > 1, scale=scaling, enable_gqa=k.shape[1] != query.shape[1]
         )
     if sinks is not None:
-        out = (out.float() * prefill_sink_factor(query, key, scaling, sinks, window)).to(out.dtype)
+        factor = prefill_sink_factor(query, key, scaling, sinks, window)
+        out = (out.to(factor.dtype) * factor).to(out.dtype)
     return out
 
 

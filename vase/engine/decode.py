@@ -113,6 +113,7 @@ class Decoder:
     ):
         check_architecture(model.config)
         policy.validate()
+        policy.check_model(model.config)  # the runner's preflight check, for a caller of the engine alone
         policy.setup(model.config)
         if not isinstance(rows, int) or rows < 1:
             raise ValueError(f"generation.max_rows: must be an integer >= 1, got {rows!r}")
