@@ -420,3 +420,30 @@ def test_loop_stop_fires_on_a_repeated_phrase_only():
         add_special_tokens=False,
     )["input_ids"]
     assert stop(loop) and not stop(prose)
+
+
+@pytest.mark.parametrize("name", ["vase_dkv", "snapkv"])
+def test_cpu_eviction_moves_in_pieces_exactly_as_in_one_call(model, name, monkeypatch):
+    """On a CPU the event's gather and scatter run in pieces of whole folded rows (vase.engine.evict.CPU_MOVE_BYTES,
+    a cache-sized working set): one folded row per piece gives every sample's tokens and every kept position of a
+    staggered decode exactly as one call for the whole event."""
+    import vase.engine.evict as evict
+
+    reqs = [Request(p, sample_seeds(50 + i, 2), key=i) for i, p in enumerate(prompts())]
+    kept = {}
+
+    def run(move_bytes):
+        monkeypatch.setattr(evict, "CPU_MOVE_BYTES", move_bytes)
+        got = []
+
+        def on_cache(cache):
+            cache.on_evict = lambda layer, rows, keep, pos: got.append((layer.layer_idx, rows, pos.clone()))
+
+        _, out = decode_all(model, load_policy(name), reqs, 5, 48, SamplingConfig(temperature=1.0), on_cache=on_cache)
+        kept[move_bytes] = got
+        return {key: list(f.tokens) for key, f in out.items()}
+
+    assert run(1) == run(1 << 40)
+    assert len(kept[1]) > 0 and len(kept[1]) == len(kept[1 << 40])
+    for (la, ra, pa), (lb, rb, pb) in zip(kept[1], kept[1 << 40], strict=True):
+        assert (la, ra) == (lb, rb) and torch.equal(pa, pb)

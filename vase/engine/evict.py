@@ -13,6 +13,11 @@ Randomness: one draw per policy call for all folded rows, row ``i`` keyed by its
 and its layer as stream (:class:`~vase.engine.rng.RowRNG` with a stream tensor): the same numbers a per-layer call
 drew, so a row's draws still never depend on its batch-mates.
 
+On a CPU the gather and scatter run in pieces of whole folded rows of about :data:`CPU_MOVE_BYTES` (each folded
+row's source and destination slots lie in its own line of the storage, so pieces are independent): one gather of an
+event's every layer is a working set of the whole cache (150 MB at Qwen3-4B's KV geometry and 4 rows), which runs at
+DRAM speed, where a cache-sized piece is read back from the CPU's cache by its scatter. On CUDA it stays one call.
+
 No host synchronisation: the row groups come from host lists, the index tensors from :meth:`VaseCache.index` (one
 upload per group and step), everything else is device math. The cache is passed in (duck-typed); this module imports
 no other engine module but the policy interface and the RNG.
@@ -27,6 +32,9 @@ import torch
 
 from vase.engine.policy import EvictionInputs
 from vase.engine.rng import RowRNG
+
+#: bytes of one buffer's gathered tokens moved per piece on a CPU (see the module docstring); CUDA moves all at once
+CPU_MOVE_BYTES = 4 << 20
 
 
 def evict_rows(cache: Any, slots: list[int]) -> None:
@@ -106,18 +114,21 @@ def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: in
     recent = torch.arange(length - window, length, device=dev).expand(rows, heads, window)
     src = torch.cat((keep + pinned if pinned else keep, recent), dim=2).add_(base[:, :, None]).view(-1)
     dst = (base[:, :, None] + torch.arange(pinned, budget, device=dev)).view(-1)
-    gathered_p = None
+    line = heads * (budget - pinned)  # tokens moved per folded row
     for buf in (st.keys, st.values, st.positions):
         flat = buf.view(-1, buf.shape[-1]) if buf.dim() == 5 else buf.view(-1)
-        taken = flat.index_select(0, src)
-        flat.index_copy_(0, dst, taken)
-        gathered_p = taken
+        piece = rows
+        if dev.type == "cpu":  # whole folded rows per piece, about CPU_MOVE_BYTES (module docstring)
+            piece = max(1, CPU_MOVE_BYTES // (line * flat[:1].numel() * flat.element_size()))
+        for a in range(0, rows, piece):
+            part = slice(a * line, (a + piece) * line)
+            flat.index_copy_(0, dst[part], flat.index_select(0, src[part]))
     for layer in cache.evicting_layers:  # the full-attention layers (sliding layers are never evicted)
         layer.counters.evictions += n
     cache.record_eviction(slots, n_layers)
     cache.clock.stop(start, functools.partial(_credit, cache, list(slots)))
-    if cache.on_evict is not None:  # per layer, as the analyses expect
-        kept_p = gathered_p.view(n, n_layers, heads, budget - pinned)[..., :n_keep]
+    if cache.on_evict is not None:  # per layer, as the analyses expect; the kept positions, now in slots dst
+        kept_p = st.positions.view(-1).index_select(0, dst).view(n, n_layers, heads, budget - pinned)[..., :n_keep]
         per_layer = keep.view(n, n_layers, heads, n_keep)
         row_ids = [cache.row_ids[r] for r in slots]
         for li, layer in enumerate(cache.evicting_layers):
