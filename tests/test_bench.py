@@ -58,7 +58,7 @@ def test_trimmed_mean_drops_min_and_max():
     assert trimmed_mean([4.0, 2.0]) == 3.0
 
 
-@pytest.mark.parametrize("schedule", ["interleaved", "sequential"])
+@pytest.mark.parametrize("schedule", ["interleaved", pytest.param("sequential", marks=pytest.mark.slow)])
 def test_benchmark_writes_csv_and_kv_bytes_equal_static_size(tmp_path, schedule):
     out = tmp_path / "bench"
     args = parse_args(
@@ -190,6 +190,7 @@ def test_cache_argument_follows_the_forward_signature():
     assert cache_argument(Old()) == "past_key_values"
 
 
+@pytest.mark.slow  # CI's time budget
 def test_isolated_worker_runs_one_config_in_a_fresh_process():
     """``--isolate subprocess``: ``python -m vase.bench.worker`` returns the same row fields as in-process."""
     spec = dict(

@@ -151,6 +151,7 @@ def test_compiled_decode_one_graph_per_bucket_slow(model, name):
     check_compiled(model, name)
 
 
+@pytest.mark.slow  # shown once; the no-recompile tests stay in the default suite
 def test_a_guard_on_host_state_is_caught(model, monkeypatch):
     """The old decode step (K/V sliced to the longest row's host length) recompiles at every new length: caught."""
     original = VaseLayer.update

@@ -141,6 +141,7 @@ def test_bad_names_and_missing_manifest(tmp_path: Path):
         D.load_manifest(tmp_path)
 
 
+@pytest.mark.slow  # CI's time budget
 def test_script_prints_and_writes_the_structure_without_saving(report_dir: Path, tmp_path: Path):
     import importlib.util
 
@@ -164,6 +165,7 @@ def _script():
     return script
 
 
+@pytest.mark.slow  # CI's time budget
 def test_prints_without_an_entity_but_does_not_save(report_dir: Path, tmp_path: Path, caplog, monkeypatch):
     monkeypatch.delenv("WANDB_ENTITY", raising=False)
     script = _script()

@@ -219,6 +219,7 @@ def _run_rank(rank: int, port: int, overrides: list[str], queue) -> None:
         os._exit(0)
 
 
+@pytest.mark.slow  # .ci/run runs two_ranks_equal_one_process under torchrun
 def test_two_ranks_write_the_directory_one_process_writes(tmp_path):
     """The ranks are spawned, not forked: a fork of a process whose OpenMP / MKL threads already ran (any earlier test
     of the session that ran a model) can hang in the child's first parallel region."""
@@ -472,6 +473,7 @@ def _run_rank_catching(rank: int, port: int, overrides: list[str], queue) -> Non
         os._exit(0)
 
 
+@pytest.mark.slow  # test_ranks_started_with_different_settings_stop_together_before_writing stays
 def test_ranks_whose_resolved_settings_differ_raise_the_same_line(tmp_path):
     """The same command, another resolved setting on rank 1 (another config, another environment): ``run`` raises
     the same one-line ``ValueError`` on every rank, naming the setting, before anything is written."""
@@ -492,6 +494,7 @@ def test_ranks_whose_resolved_settings_differ_raise_the_same_line(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
+@pytest.mark.slow  # CI's time budget
 def test_a_missing_rank_is_one_line_after_the_bounded_wait(tmp_path):
     """A world of 2 with rank 0 alone, and with rank 1 alone: each says in one line, after ``VASE_DIST_TIMEOUT_S``
     seconds (here 2), how many ranks joined, or that rank 0 could not be reached; exit 1, nothing written."""

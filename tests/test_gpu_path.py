@@ -43,6 +43,11 @@ from vase.engine.rng import RowRNG
 from vase.models import tiny_model
 
 SYNC_POLICIES = ALL_CONFIGS  # every conf/policy/*.yaml
+#: in the default suite: the paper's policies and one of each mechanism (selection, pinned prompt, TriAttention's
+#: calibration, curdkv's and h2o's scores); every other config in -m slow (CI's time budget)
+DEFAULT_SYNC = {"full", "vase_attnv", "vase_dkv", "snapkv", "rkv", "quest", "seer_attention_r", "curdkv",
+                "random_keep_prompt", "triattention", "h2o"}  # fmt: skip
+SYNC_CELLS = [n if n in DEFAULT_SYNC else pytest.param(n, marks=pytest.mark.slow) for n in SYNC_POLICIES]
 BUDGET, WINDOW, SYNC_EVERY = 32, 8, 8
 #: aten ops that make the host wait for the device (their result is read on the host or sizes an output)
 SYNC_OPS = {
@@ -226,7 +231,7 @@ def _segments(events) -> list[int]:
     return runs
 
 
-@pytest.mark.parametrize("name", SYNC_POLICIES)
+@pytest.mark.parametrize("name", SYNC_CELLS)
 def test_no_host_sync_in_a_decode_step(model, name, monkeypatch, tmp_path):
     policy = load_policy(name, model, tmp_path)
     detector, steps, dec = run_detected(model, policy, monkeypatch)
@@ -299,7 +304,7 @@ def _meta_decoder(policy, prompts=(37, 30, 30, 21), rows=4):
     return dec
 
 
-@pytest.mark.parametrize("name", SYNC_POLICIES)
+@pytest.mark.parametrize("name", SYNC_CELLS)
 def test_decode_steps_on_the_meta_device(name, monkeypatch):
     """12 decode steps with every tensor on ``meta``: nothing reads data (it would raise), nothing comes back to the
     host; uploads: one per group of rows that evicts together, whatever the number of layers."""

@@ -155,6 +155,7 @@ def test_grade_workers_is_checked_before_anything_runs():
 # end to end
 
 
+@pytest.mark.slow  # the kill -9 resume test stays
 def test_inline_and_background_grading_give_the_same_run(tmp_path):
     inline = _run(tmp_path / "inline", 0)
     background = _run(tmp_path / "background", 1)

@@ -387,7 +387,9 @@ def test_tiny_preset_loads_the_family(arch):
     assert model.config.vocab_size == len(tokenizer) and full_layers(model.config) == [1, 3]
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize(  # qwen3_5 in the default suite, the others in -m slow (CI's time budget)
+    "arch", [a if a == "qwen3_5" else pytest.param(a, marks=pytest.mark.slow) for a in FAMILIES]
+)
 def test_a_short_offline_run_per_family(arch, tmp_path):
     """``python run.py model=tiny_<family> policy=vase_dkv`` on one gsm_symbolic problem, two samples: it finishes,
     evicts and records the linear state in the manifest's engine section."""

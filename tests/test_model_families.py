@@ -9,6 +9,8 @@ tiny random model (fp32, initializer_range 0.3, no downloads). What must hold on
 * eviction equals masking (the proof of tests/test_engine.py), and eviction policies run end to end
   (tests/test_policies_e2e.py's checks);
 * the ``model=tiny_<family>`` preset loads and a short offline run through the runner finishes;
+* the engine's guarantees, here and on ``olmo3``: no host sync in a decode step, a sample never depends on its
+  batch-mates, and the compiled step gives the eager tokens with one graph per row bucket (slow);
 * an architecture with linear-attention layers is still refused in one line, and so is a config whose every layer
   slides (no full-attention layer for the budget). Sliding-window layers and sinks: tests/test_sliding_families.py.
 """
@@ -237,3 +239,85 @@ def test_hub_presets_compose(preset, hub, sampling):
     spec = instantiate(compose([f"model={preset}"]).model)
     assert spec.key == preset and spec.name == hub and spec.revision == "main" and spec.thinking
     assert (spec.temperature, spec.top_p, spec.top_k) == sampling
+
+
+# ---- the engine's guarantees on every family (gpt_oss and the hybrid families: their own test files) -------------
+GUARANTEES = [*FAMILIES, "olmo3"]
+
+
+def _family(arch: str):
+    """The family's tiny model (olmo3 with its 16-token window: tests/test_sliding_families.py)."""
+    if arch == "olmo3":
+        from tests.test_sliding_families import _model
+
+        return _model("olmo3")
+    return tiny_model(arch, **MODEL)
+
+
+def _one_default(arch: str, keep: str):
+    """``arch`` as a parameter, in the default suite only for ``keep`` (the rest: -m slow, CI's time budget)."""
+    return arch if arch == keep else pytest.param(arch, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("arch", [_one_default(a, "qwen3_moe") for a in GUARANTEES])
+def test_no_host_sync_in_a_decode_step(arch, monkeypatch, tmp_path):
+    """tests/test_gpu_path.py's detector on each family: no decode step synchronises, evicting, rows of different
+    lengths admitted and released mid-run (MoE's grouped_mm counts tokens per expert with a ranged histc, which CUDA
+    computes without reading the data on the host: tests/test_sliding_families.py)."""
+    from tests.test_gpu_path import SyncDetector, load_policy, run_detected
+
+    flagged = SyncDetector.sync_reason
+
+    def reason(name, args, kwargs):
+        if name == "histc":
+            lo = args[2] if len(args) > 2 else kwargs.get("min", 0)
+            hi = args[3] if len(args) > 3 else kwargs.get("max", 0)
+            if lo < hi:
+                return None
+        return flagged(name, args, kwargs)
+
+    monkeypatch.setattr(SyncDetector, "sync_reason", staticmethod(reason))
+    model = _family(arch)
+    detector, steps, _ = run_detected(model, load_policy("vase_dkv", model, tmp_path), monkeypatch)
+    assert detector.step_syncs() == {}
+    assert "tolist" in detector.syncs["between"]  # the detector was live
+    assert any(s["evicted"] for s in steps.values()) and any(len(set(s["held"])) > 1 for s in steps.values())
+
+
+@pytest.mark.parametrize("arch", [_one_default(a, "smollm3") for a in GUARANTEES])
+def test_a_sample_never_depends_on_its_batch_mates(arch):
+    """tests/test_continuous.py's check on each family: sampled (T=1, top-p, top-k) with vase_dkv, every sample
+    decoded among rows of prompts of different lengths (3 rows for 8 samples, EOS ending rows early, new problems
+    taking their slots) equals the same sample decoded alone."""
+    from tests.test_continuous import load_policy
+    from vase.engine import generate, sample_seeds
+
+    model = _family(arch)
+    sampling = SamplingConfig(temperature=1.0, top_p=0.95, top_k=50)
+    eos = range(0, 12)
+    reqs = [Request(p, sample_seeds(100 + i, 2), key=i) for i, p in enumerate(prompts())]
+    _, batched = decode_all(model, load_policy("vase_dkv"), reqs, rows=3, max_new=60, sampling=sampling, eos=eos)
+    assert len({len(f.tokens) for f in batched.values()}) > 1
+    assert sum(f.stats["evictions"] for f in batched.values()) > 0
+    for r in reqs:
+        for s, seed in enumerate(r.seeds):
+            alone = generate(model, r.prompt_ids, load_policy("vase_dkv"), n_samples=1, seeds=[seed],
+                             sampling=sampling, max_new_tokens=60, eos_token_ids=eos)  # fmt: skip
+            assert batched[(r.key, s)].tokens == alone.tokens[0], (arch, r.key, s)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", GUARANTEES)
+def test_compiled_decode_equals_eager_with_one_graph_per_bucket(arch):
+    """tests/test_compiled.py's staggered decode (>= 300 steps) on each family: the compiled step (dynamo, fullgraph)
+    gives the eager step's tokens, traces at most one graph per row bucket, and its buffers never move."""
+    from tests.test_compiled import GraphCounter, staggered
+
+    model = _family(arch)
+    _, want, _, _ = staggered(model, "vase_dkv", "off")
+    counter = GraphCounter()
+    dec, got, buckets, addresses = staggered(model, "vase_dkv", "on", backend=counter)
+    assert dec.compiled and len(buckets) > 2
+    assert 1 <= len(counter.graphs) <= len(buckets), (len(counter.graphs), sorted(buckets))
+    assert all(a == addresses[0] for a in addresses), "a buffer of the compiled step moved"
+    assert {k: f.tokens for k, f in got.items()} == {k: f.tokens for k, f in want.items()}

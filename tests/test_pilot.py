@@ -209,6 +209,7 @@ def test_reasoning_block_with_selection_and_control(reasoning_tree: Path, tmp_pa
     assert "first pilot" not in doc.read_text() and "Regime (humaneval" in doc.read_text()
 
 
+@pytest.mark.slow  # CI's time budget
 def test_selection_keeps_the_problems_between_floor_and_ceiling(tmp_path: Path):
     root = tmp_path / "select"
     correct = {"p0": [1, 1, 1, 1], "p1": [1, 0, 0, 0], "p2": [0, 0, 0, 0], "p3": [1, 1, 0, 1], "p4": [0, 1, 1, 0]}

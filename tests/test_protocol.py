@@ -332,6 +332,7 @@ def test_paper_run_offline_records_every_knob(tmp_path):
     )
 
 
+@pytest.mark.slow  # test_paper_run_offline_records_every_knob stays
 def test_paper_run_evicts_with_bf16_scores(tmp_path):
     """protocol=paper through the runner with evictions: float32 weights and a short window for speed (an eviction
     every 16 steps past 64 tokens); the scores are still bf16."""

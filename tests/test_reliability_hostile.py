@@ -969,6 +969,7 @@ def test_every_results_script_fails_in_one_line_on_a_foreign_or_missing_tree(tmp
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow  # test_i9 (a read-only results dir) stays
 def test_the_report_into_a_read_only_directory_is_one_line(finished_run, tmp_path):
     from tests.test_runner_inputs import _read_only
 

@@ -233,6 +233,7 @@ def test_matched_memory_figure(seeds_tree: Path):
     assert "fewer than two policies" in dict(one.skipped)["matched_memory_m_math500"]
 
 
+@pytest.mark.slow  # CI's time budget
 def test_every_figure_legible_at_column_width(tree_dir: Path, tmp_path: Path):  # noqa: F811
     """Every report figure: at most two columns wide (one for single panels), no text under 7 pt, no rotated tick."""
     report = build_report(tree_dir, tmp_path / "report", formats=("png",))
