@@ -10,7 +10,7 @@ object the model's ``GatedDeltaNet`` talks to (:class:`LinearLayer`, a ``LinearA
 first: a layer's rows ``[0, b)`` are one contiguous block, as the fused kernels (causal-conv1d,
 flash-linear-attention) expect their state arguments.
 
-What the model does with the cache (transformers 5.24, ``modeling_qwen3_5.py`` / ``modeling_qwen3_next.py``), and
+What the model does with the cache (transformers 5.24 and 5.25, ``modeling_qwen3_5.py`` / ``modeling_qwen3_next.py``), and
 what :class:`LinearLayer` answers:
 
 * ``cache.get_conv_state`` / ``get_recurrent_state`` read ``layer.has_previous_state[0]`` and
@@ -138,6 +138,7 @@ class LinearLayer(LinearAttentionCacheLayerMixin):
     is_sliding = False
     supports_early_init = False
     record_past = False
+    is_croppable = False
     number_of_states = 1
 
     def __init__(self, layer_idx: int, slot: int, owner: Any, states: LinearStates):
@@ -167,6 +168,16 @@ class LinearLayer(LinearAttentionCacheLayerMixin):
         """``{0: (step_rows, Hv, Dk, Dv)}``: this step's rows."""
         return {0: self.recurrent[: self.owner.step_rows]}
 
+    def get_seq_length(self) -> int:
+        """What a full-attention layer answers (transformers 5.25's ``Cache.get_seq_length`` asks layer 0, a linear
+        layer in Qwen3.5): the longest live row's held length, or the span of this decode step's views."""
+        owner = self.owner
+        return owner.step_length if owner.stepping else owner.length
+
+    def increase_count(self, state_idx: int = 0) -> None:
+        """Nothing to count (transformers >= 5.25 calls this at every single-token conv update): the cache holds each
+        row's length itself."""
+
     def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0, **kwargs) -> None:
         """Nothing to do: the states were allocated with the cache."""
 
@@ -188,7 +199,11 @@ class LinearLayer(LinearAttentionCacheLayerMixin):
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs) -> torch.Tensor:
         """The prefill's final state ``(1, Hv, Dk, Dv)`` to every row of the prompt, or a decode step's
-        ``(b, Hv, Dk, Dv)`` to rows ``[0, b)`` (padding rows of a compiled step keep theirs)."""
+        ``(b, Hv, Dk, Dv)`` to rows ``[0, b)`` (padding rows of a compiled step keep theirs). A list (transformers
+        >= 5.25 returns the last states of a forward when past states are recorded, which this cache never asks for)
+        is taken at its last state."""
+        if not isinstance(recurrent_states, torch.Tensor):
+            recurrent_states = recurrent_states[-1]
         owner = self.owner
         if owner.prefilling is not None:
             slots = owner.prefilling
