@@ -334,6 +334,29 @@ def test_state_bytes_equal_transformers_cache(arch):
     assert LinearShape.of(model.config).bytes_per_row(torch.bfloat16) < per_row  # the conv state in the model's dtype
 
 
+def test_a_linear_layer_answers_what_transformers_asks_of_it():
+    """What transformers >= 5.25 asks of a linear layer, on any release: ``Cache.get_seq_length`` reads layer 0 (a
+    linear layer here), which answers what the full-attention layers answer; ``increase_count`` (called at every
+    single-token conv update) counts nothing; a list of recurrent states is taken at its last."""
+    model = tiny_model("qwen3_5", **THREE_TO_ONE)
+    dec = Decoder(model, FullCache(), rows=2, capacity=64, max_new_tokens=8)
+    cache = dec.cache
+    linear = [layer for layer in cache.layers if isinstance(layer, LinearLayer)]
+    full = [layer for layer in cache.layers if not isinstance(layer, LinearLayer)]
+    assert isinstance(cache.layers[0], LinearLayer) and len(full) == 1
+    for layer in linear:
+        layer.increase_count(0)
+        assert layer.get_seq_length() == full[0].get_seq_length()
+    assert cache.get_seq_length() == full[0].get_seq_length()
+    cache.prefilling = [0]
+    try:
+        states = [torch.full_like(linear[0].recurrent[:1], float(i)) for i in (1, 2)]
+        linear[0].update_recurrent_state(states)
+    finally:
+        cache.prefilling = None
+    assert torch.equal(linear[0].recurrent[0], states[1][0])
+
+
 @pytest.mark.parametrize("name", ["vase_dkv", pytest.param("full", marks=pytest.mark.slow)])
 def test_no_host_sync_in_a_decode_step(name, monkeypatch, tmp_path):
     """tests/test_gpu_path.py's detector on a hybrid model: the linear layers' reads and writes are device ops."""
