@@ -10,8 +10,8 @@ object the model's ``GatedDeltaNet`` talks to (:class:`LinearLayer`, a ``LinearA
 first: a layer's rows ``[0, b)`` are one contiguous block, as the fused kernels (causal-conv1d,
 flash-linear-attention) expect their state arguments.
 
-What the model does with the cache (transformers 5.24 and 5.25, ``modeling_qwen3_5.py`` / ``modeling_qwen3_next.py``), and
-what :class:`LinearLayer` answers:
+What the model does with the cache (transformers 5.24 and 5.25, ``modeling_qwen3_5.py`` /
+``modeling_qwen3_next.py``), and what :class:`LinearLayer` answers:
 
 * ``cache.get_conv_state`` / ``get_recurrent_state`` read ``layer.has_previous_state[0]`` and
   ``layer.conv_states[0]`` / ``layer.recurrent_states[0]``: during a prefill (``owner.prefilling``) there is no
