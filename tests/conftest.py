@@ -81,6 +81,8 @@ PER_SESSION = frozenset(
         "decode_seconds",
         "decode_tokens_per_second",
         "decode_seconds_per_correct",
+        "compile_seconds",
+        "decode_tokens_per_second_after_compile",
         "eviction_seconds",
         "prefill_seconds",
         "peak_memory_bytes",

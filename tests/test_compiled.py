@@ -120,10 +120,13 @@ def staggered(model, name: str, compile: str, backend=None, on_step=None, steps_
 
 
 def check_compiled(model, name: str) -> None:
-    _, want, _, _ = staggered(model, name, "off")
+    eager, want, _, _ = staggered(model, name, "off")
     counter = GraphCounter()
     dec, got, buckets, addresses = staggered(model, name, "on", backend=counter)
     assert dec.compiled and dec.cache.bucketed
+    # the first forward of each bucket is timed as the compile (throughput.jsonl, metrics.json: compile_seconds)
+    assert dec.stats.compiled_buckets == len(buckets) and 0 < dec.stats.compile_seconds < dec.stats.decode_seconds
+    assert eager.stats.compiled_buckets == 0 and eager.stats.compile_seconds == 0.0
     assert len(buckets) > 2, buckets  # the run crossed several buckets
     assert 1 <= len(counter.graphs) <= len(buckets), (len(counter.graphs), sorted(buckets))
     assert counter.inputs_tensors_only

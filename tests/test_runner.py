@@ -355,3 +355,24 @@ def test_sharded_runs_merge_into_one(tmp_path):
     assert merged["complete"] and merged["problems"] == 2 and merged["samples"] == 4
     acc = sum(m["accuracy"] for m in metrics) / 2
     assert abs(merged["accuracy"] - acc) < 1e-9
+
+
+def test_compile_seconds_and_the_decode_speed_after_them(tmp_path):
+    """``metrics.json``'s ``compile_seconds`` sums the throughput lines' first forwards of each row bucket, and
+    ``decode_tokens_per_second_after_compile`` leaves them out; an eager run (or a run written before they existed:
+    no key) has 0 s and no such speed."""
+    from vase.run.records import _throughput
+
+    line = dict(decode_steps=10, prefills=1, prefill_seconds=0.5, rows=4, row_steps=40, kv_allocated_bytes=8)
+    line.update(kv_allocated_bytes_per_row=2, peak_memory_bytes=0, wall_seconds=1.0)
+    lines = [dict(line, tokens=100, decode_seconds=10.0, compile_seconds=6.0, time=1.0)]
+    lines.append(dict(line, tokens=100, decode_seconds=10.0, compile_seconds=2.0, time=2.0))
+    (tmp_path / "throughput.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    got = _throughput(tmp_path)
+    assert got["decode_tokens_per_second"] == pytest.approx(200 / 20) and got["compile_seconds"] == 8.0
+    assert got["decode_tokens_per_second_after_compile"] == pytest.approx(200 / 12)
+    for x in lines:
+        del x["compile_seconds"]
+    (tmp_path / "throughput.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    got = _throughput(tmp_path)
+    assert got["compile_seconds"] == 0 and got["decode_tokens_per_second_after_compile"] is None

@@ -37,7 +37,7 @@ from vase.bench.runs import abba, last_line, markdown, read_run, spawn, thread_e
 logger = logging.getLogger(__name__)
 
 COLUMNS = ["label", "rev", "threads", "runs", "decode_tok_s", "x_base", "wall_s", "prefill_s", "pass_at_1", "dtype"]
-COLUMNS += ["rows", "tokens", "process_s", "peak_rss"]
+COLUMNS += ["rows", "tokens", "process_s", "peak_rss", "compile_s", "tok_s_after_compile"]
 
 
 @dataclass
@@ -113,6 +113,8 @@ def run_one(v: Variant, sha: str, root: Path, common: list[str], results: Path, 
     code_sha = man.get("git_sha") or ""
     row.update(
         decode_tok_s=m.get("decode_tokens_per_second"),
+        compile_s=m.get("compile_seconds"),
+        tok_s_after_compile=m.get("decode_tokens_per_second_after_compile"),
         wall_s=m.get("wall_seconds"),
         prefill_s=m.get("prefill_seconds"),
         pass_at_1=m.get("accuracy"),
@@ -136,7 +138,17 @@ def summarise(runs: list[dict], variants: list[Variant], base: str | None) -> li
         rs = [r for r in runs if r["label"] == v.label and not r.get("error")]
         line = dict(label=v.label, rev=v.rev, threads=v.threads, args=" ".join(v.args), runs=len(rs))
         line["errors"] = [r["error"] for r in runs if r["label"] == v.label and r.get("error")] or None
-        for col in ("decode_tok_s", "wall_s", "prefill_s", "tokens", "rows", "process_s", "peak_rss"):
+        for col in (
+            "decode_tok_s",
+            "wall_s",
+            "prefill_s",
+            "tokens",
+            "rows",
+            "process_s",
+            "peak_rss",
+            "compile_s",
+            "tok_s_after_compile",
+        ):
             vals = [r[col] for r in rs if r.get(col) is not None]
             line[col] = statistics.median(vals) if vals else None
         acc = [r["pass_at_1"] for r in rs if r.get("pass_at_1") is not None]

@@ -177,6 +177,7 @@ class Decoder:
         self._t0 = time.perf_counter()
         self._forward = self._decode_forward
         self._static_marked = False
+        self._buckets_seen: set[int] = set()  # row buckets whose graph has run (a compiled step)
         if self.compiled:
             self.cache.bucketed = True  # one graph per bucket of live rows
             buckets = len(row_buckets(rows))
@@ -369,7 +370,15 @@ class Decoder:
         # a logits hook may change the logits (teacher forcing): the tokens are then drawn again after it, from the
         # same keys (the row's token key, the token's position), so an unchanged row draws the same token
         redraw = None if self.on_logits is None else cache.pos_t[:n] + 1
+        first = self.compiled and b not in self._buckets_seen
+        t0 = time.perf_counter() if first else 0.0
         logits, tok, finite = self._forward(self._next_tok[:b].view(b, 1), cache.pos_t[:b].view(b, 1))
+        if first:  # host time only (no sync): dynamo's trace and inductor's compile or cache load dominate it
+            seconds = time.perf_counter() - t0
+            self._buckets_seen.add(b)
+            self.stats.compile_seconds += seconds
+            self.stats.compiled_buckets += 1
+            logger.info("decode step compiled for a bucket of %d rows in %.1f s (its first forward)", b, seconds)
         logits, tok = logits[:n], tok[:n]
         cache.advance()
         self.step += 1

@@ -94,6 +94,10 @@ class DecodeStats:
     decode_seconds: float = 0.0
     samples: int = 0
     max_live_rows: int = 0
+    # a compiled step: the first forward of each row bucket (dynamo's trace, inductor's compile or cache load, and that
+    # one step), part of ``decode_seconds``
+    compile_seconds: float = 0.0
+    compiled_buckets: int = 0
 
 
 @dataclass

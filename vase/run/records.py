@@ -357,9 +357,15 @@ def _throughput(run_dir: Path) -> dict:
     dec_s = sum(x["decode_seconds"] for x in lines)
     steps = sum(x["decode_steps"] for x in lines)
     prefills = sum(x["prefills"] for x in lines)
+    tokens = sum(x["tokens"] for x in lines)
+    compile_s = sum(x.get("compile_seconds", 0.0) for x in lines)  # older runs' lines have none
+    steady_s = dec_s - compile_s
     return {
-        "decode_tokens_per_second": sum(x["tokens"] for x in lines) / dec_s if dec_s else None,
+        "decode_tokens_per_second": tokens / dec_s if dec_s else None,
         "decode_seconds": dec_s,
+        # a compiled step: the first forward of each row bucket, and the decode speed without it
+        "compile_seconds": compile_s,
+        "decode_tokens_per_second_after_compile": tokens / steady_s if compile_s and steady_s > 0 else None,
         "prefill_seconds": sum(x["prefill_seconds"] for x in lines) / prefills if prefills else None,
         "rows_in_flight": max(x["rows"] for x in lines),
         "rows_in_flight_mean": sum(x["row_steps"] for x in lines) / steps if steps else None,
