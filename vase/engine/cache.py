@@ -507,6 +507,11 @@ class VaseCache(Cache):
         """The longest live row's held length (every row's, when the rows are in step)."""
         return max(self.lengths[: self.n_live], default=0)
 
+    def seq_length(self) -> int:
+        """What every layer answers to transformers' ``get_seq_length``: :attr:`length`, or during a decode forward
+        the span of the step's views (``step_length``), so a compiled step never reads the rows' host lengths."""
+        return self.step_length if self.stepping else self.length
+
     def kv_bytes_by_type(self) -> dict[str, int]:
         """Bytes of K and V storage actually allocated, per layer type (``linear_attention``: a hybrid model's conv and
         recurrent states; ``{}`` before the first prefill)."""

@@ -195,9 +195,8 @@ class VaseLayer(CacheLayerMixin):
         return (self.window if self.is_sliding else self.owner.step_length), 0
 
     def get_seq_length(self) -> int:
-        """The longest live row's held length; during a decode forward the span of the views
-        (``owner.step_length``), so a compiled step never reads the rows' host lengths."""
-        return self.owner.step_length if self.owner.stepping else self.owner.length
+        """The cache's :meth:`~vase.engine.cache.VaseCache.seq_length` (the span of a decode step's views)."""
+        return self.owner.seq_length()
 
     def get_max_length(self) -> int:
         return self.window if self.is_sliding else self.owner.geometry.capacity

@@ -170,9 +170,8 @@ class LinearLayer(LinearAttentionCacheLayerMixin):
 
     def get_seq_length(self) -> int:
         """What a full-attention layer answers (transformers 5.25's ``Cache.get_seq_length`` asks layer 0, a linear
-        layer in Qwen3.5): the longest live row's held length, or the span of this decode step's views."""
-        owner = self.owner
-        return owner.step_length if owner.stepping else owner.length
+        layer in Qwen3.5): the cache's ``seq_length()``."""
+        return self.owner.seq_length()
 
     def increase_count(self, state_idx: int = 0) -> None:
         """Nothing to count (transformers >= 5.25 calls this at every single-token conv update): the cache holds each
