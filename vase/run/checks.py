@@ -44,6 +44,10 @@ SCORE_DTYPES = ("float32", "bfloat16")
 EQUIVALENCES = ("math_verify", "authors")
 CODE_EXTRACTIONS = ("harness", "authors")
 
+#: the largest budget (tokens per layer, KV head and sequence): more than any model's context window, so more than a
+#: cache can hold (``ratio=1e-300`` would otherwise make a 300-digit budget and a run directory name to match).
+MAX_BUDGET = 2**24
+
 _ABSENT = object()
 # Decimal (SI) and binary (IEC) byte units; a bare K/M/G/T is refused as ambiguous.
 _UNITS = {
@@ -196,6 +200,8 @@ def _check_top_level(cfg: DictConfig) -> None:
         w = window if _is_int(window) else 64
         if not _is_int(budget) or budget <= w:
             _fail("budget", f"must be an integer > window={w} or null (from ratio)", budget, f"e.g. budget={4 * w}")
+        if budget > MAX_BUDGET:
+            _fail("budget", f"must be <= {MAX_BUDGET} tokens (the most a cache can hold)", budget, f"e.g. budget={4 * w}")
     _integer(cfg, "seed", None, fix="e.g. seed=0")
     _integer(cfg, "n_samples", 1, nullable=True, null_means="the task's protocol", fix="e.g. n_samples=4")
     _integer(cfg, "limit", 0, nullable=True, null_means="the task's default", fix="e.g. limit=10")

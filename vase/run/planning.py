@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from vase.engine.memory import auto_dtype
 from vase.engine.sampling import SamplingConfig, sample_seeds
 from vase.engine.scores import score_dtype
-from vase.run.checks import check_protocol_n_protect, check_settings, parse_bytes
+from vase.run.checks import MAX_BUDGET, check_protocol_n_protect, check_settings, parse_bytes
 from vase.run.preflight import check_cache, check_fields, check_model, load_problems, load_tokenizer, no_problems
 from vase.run.protocol import check_authors_data, comparable, data_copy, protocol_knobs, run_tag
 from vase.run.protocol import settings as protocol_settings
@@ -70,8 +70,20 @@ def build(node: Any, what: str) -> Any:
 
 
 def resolve_budget(reference_tokens: int, ratio: float, window: int) -> int:
-    """``reference / ratio`` rounded to the nearest multiple of ``window`` (at least ``2 * window``)."""
-    return max(2, round(reference_tokens / ratio / window)) * window
+    """``reference / ratio`` rounded to the nearest multiple of ``window`` (at least ``2 * window``).
+
+    Raises:
+        ValueError: one line naming ``ratio`` when the budget would exceed what a cache can hold
+            (:data:`vase.run.checks.MAX_BUDGET` tokens; ``ratio=1e-300`` would make a 300-digit budget).
+    """
+    tokens = reference_tokens / ratio
+    if not tokens <= MAX_BUDGET:  # inf and nan too
+        raise ValueError(
+            f"ratio: {ratio!r} gives budget = {reference_tokens} / {ratio!r} tokens, more than a cache can hold (at "
+            f"most {MAX_BUDGET} tokens); use ratio >= {reference_tokens / MAX_BUDGET:.3g} (e.g. ratio=4), or set "
+            "budget= directly"
+        )
+    return max(2, round(tokens / window)) * window
 
 
 _logged_fallbacks: set[tuple[str, str, int]] = set()
@@ -293,7 +305,9 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
         setting = "task.max_length" if cfg.generation.max_length is None else "generation.max_length"
         config = check_model(prep.model_spec, prep.max_length, setting, machine, cache)
         prep.policy.check_model(config)  # fields that depend on the model (Quest's dense_layers), before any weight
-        work = measure(prep, pending, load_tokenizer(prep.model_spec, cache))
+        tokenizer = load_tokenizer(prep.model_spec, cache)
+        work = measure(prep, pending, tokenizer)
+        check_calibration_text(prep.policy, tokenizer)
         spec, _ = resolved_spec(prep, work)
         check_cache(prep, spec, [(w.ids, w.missing) for w in work], config, setting, machine)
         from vase.engine.compiled import compile_choice  # torch: only once the run has work
@@ -304,6 +318,20 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
         check_resolved(run_dir, {"model": prep.model_spec.resolve()}, write=False)  # refuse changed weights
     check_protocol(run_dir, comparable(run_dir, with_dtype(prep, work)), write=False)
     return RunPlan(prep, problems, data, done_rows, work)
+
+
+def check_calibration_text(policy: Any, tokenizer: Any) -> None:
+    """A policy's calibration text (TriAttention's) gives the calibration pass at least 2 tokens of this model's
+    tokenizer (its file was read and checked when the policy was built); one line naming the setting otherwise."""
+    path = policy.calibration_input()
+    if path is None:
+        return
+    n = len(tokenizer(Path(path).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"])
+    if n < 2:
+        raise ValueError(
+            f"policy.calibration_text: {str(path)!r} is {n} token(s) long for this model's tokenizer, the calibration "
+            "pass needs at least 2; give a longer plain-text file"
+        )
 
 
 def still_to_do(p: RunPlan, done_rows: list[dict]) -> list[Work]:
