@@ -63,6 +63,16 @@ def check_group_choices(argv: list[str]) -> str | None:
     return None
 
 
+def check_conf_files(argv: list[str]) -> str | None:
+    """One line naming a file of ``conf/`` and its line when YAML cannot read it, or it is empty or not a mapping
+    (:mod:`vase.run.conf_files`); ``None`` with another config directory (``--config-dir``: Hydra reports it)."""
+    if any(a.startswith(("--config-dir", "--config-path", "-cd", "-cp")) for a in argv):
+        return None
+    from vase.run.conf_files import check_conf_dir
+
+    return check_conf_dir(CONF)
+
+
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
@@ -112,7 +122,9 @@ def _unknown_key(override: str, key: str, config_name: str, overrides: list[str]
     if close:
         fixed = close[0] if "/" in key else ".".join([*known, close[0], *key.split(".")[len(known) + 1 :]])
         hint = f" (did you mean {override.replace(key, fixed, 1)}?)"
-    add = f"; to add a new key: +{override.lstrip('+~')}" if verb == "override" else ""
+    # only a free-form node takes new keys (model.tiny's config fields); generation and the top level are closed
+    # (vase.run.checks.check_settings) and a policy's, task's or logger's fields are its dataclass's
+    add = f"; to add a new key: +{override.lstrip('+~')}" if verb == "override" and key.startswith("model.") else ""
     return f"{override}: unknown setting {key}{hint}; {where}: {', '.join(options)}{add}"
 
 
@@ -212,9 +224,33 @@ def check_overrides(argv: list[str]) -> str | None:
         except ValueError as err:
             return _in_cell(cell, cells, str(err))
         composed.append((cell, cfg))
+    if not args.multirun and composed:
+        error = _sweep_without_m(composed[0][1], [text for text, _ in parsed])
+        if error:
+            return error
     _checked.clear()
     _checked.update(argv=list(argv), args=args, cells=cells, composed=composed)
     return None
+
+
+def _sweep_without_m(cfg, overrides: list[str]) -> str | None:
+    """A ``sweep=`` preset run without ``-m``: Hydra would run one job of its defaults silently. One line, unless the
+    command line sets every swept key itself (``sweep=pilot policy=snapkv``: one cell of the preset, on purpose)."""
+    from omegaconf import OmegaConf
+
+    node = cfg.hydra.sweeper.get("params") if "sweeper" in cfg.hydra else None
+    params = OmegaConf.to_container(node, resolve=False) if node is not None else {}
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    left = {k: v for k, v in (params or {}).items() if k not in given}
+    if not left:
+        return None
+    preset = next((o for o in overrides if o.split("=", 1)[0] == "sweep"), "the sweep preset")
+    swept = "; ".join(f"{k} over {v}" for k, v in left.items())
+    one = " ".join(f"{k}={str(v).split(',')[0]}" for k, v in left.items())
+    return (
+        f"{preset}: a sweep preset runs its jobs only with -m (it sweeps {swept}); add -m (python run.py -m "
+        f"{' '.join(overrides)}), or pick one cell: {' '.join([*overrides, one])}"
+    )
 
 
 def _unparsable_value(text: str, err: ValueError) -> str:
@@ -248,7 +284,7 @@ def _cells(parsed: list, config_name: str, multirun: bool) -> list[list[str]] | 
     try:
         base = _compose(config_name, plain)
     except (HydraException, OmegaConfBaseException) as err:
-        return _explain(err, plain, config_name)
+        return _swept_group_key(err, parsed, config_name) or _explain(err, plain, config_name)
     params = {}
     if str(base.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
         node = base.hydra.sweeper.get("params")
@@ -258,6 +294,50 @@ def _cells(parsed: list, config_name: str, multirun: bool) -> list[list[str]] | 
         return [list(cell) for batch in BasicSweeper.split_arguments(overrides, None) for cell in batch]
     except HydraException:  # interval() / a sweeper of its own: not enumerable here, the first values only
         return [[t for t in texts if t in plain]]
+
+
+def _swept_group_key(err: Exception, parsed: list, config_name: str) -> str | None:
+    """A key of a swept group (``-m policy=quest,snapkv policy.page_size=8``): Hydra composes a multirun's command
+    line with the group's default first (the sweep left out), so it refuses a key the default lacks. One line that
+    names the first job whose own option lacks the key, with that option's keys; or, when every swept option has it,
+    the fix Hydra takes (``++key=value``). ``None`` when the error is not about a swept group's key."""
+    import re
+
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    m = re.search(r"Could not override '(.+?)'", str(err))
+    if not m:
+        return None
+    key = m.group(1)
+    swept = [o for _, o in parsed if o.is_sweep_override() and _is_group(o.get_key_element())]
+    groups = [o.get_key_element() for o in swept if key.startswith(o.get_key_element().replace("/", ".") + ".")]
+    if not groups:
+        return None
+    text = next(t for t, o in parsed if o.get_key_element().lstrip("+~") == key)
+    rest = [t for t, _ in parsed if t != text]
+    try:
+        overrides = OverridesParser.create().parse_overrides(rest)
+        cells = [list(cell) for batch in BasicSweeper.split_arguments(overrides, None) for cell in batch]
+    except Exception:
+        return None
+    for cell in cells:
+        try:
+            cfg = _compose(config_name, cell)
+        except Exception:
+            return None
+        if OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
+            message = _unknown_key(text, key, config_name, cell, verb="sweep")
+            return _in_cell([*cell, text], [[*c, text] for c in cells], message)
+    value = text.split("=", 1)[1]
+    return (
+        f"{text}: every swept {groups[0]} has {key}, but Hydra checks a multirun's command line against the default "
+        f"{groups[0]} first, which does not; write ++{key}={value}"
+    )
+
+
+_MISSING = object()
 
 
 def _in_cell(cell: list[str], cells: list[list[str]], message: str) -> str:
@@ -435,7 +515,7 @@ def check_command(argv: list[str]) -> tuple[str | None, int]:
     try:
         world = current_world()
         agree_on(world, "the command line", command_settings(argv), SAME_COMMAND)
-        cheap = lambda: check_group_choices(argv) or check_overrides(argv)  # noqa: E731
+        cheap = lambda: check_conf_files(argv) or check_group_choices(argv) or check_overrides(argv)  # noqa: E731
         error = world.leader("checking the command line", lambda: first_error(cheap))
         if error is None:
             sys.argv[1:] = launch_overrides(argv)

@@ -359,9 +359,10 @@ def measure(prep: Prepared, pending, tokenizer=None) -> list[Work]:
             f"generation.max_length: {prep.max_length} leaves no room for output (the shortest prompt has "
             f"{shortest} tokens); raise generation.max_length"
         )
+    fitting = [len(w.ids) for w in work if len(w.ids) < prep.max_length]
+    if fitting:  # the longest prompt first: a fix hint from it (keep_prompt's budget) serves every prompt
+        prep.policy.check_prompt(max(fitting))  # e.g. keep_prompt: the prompt and the window must fit the budget
     for w in work:
-        if len(w.ids) < prep.max_length:
-            prep.policy.check_prompt(len(w.ids))  # e.g. keep_prompt: the prompt and the window must fit the budget
         if len(w.ids) >= prep.max_length:
             logger.warning(
                 "problem %s: its prompt has %d tokens >= generation.max_length=%d; its samples are recorded as "

@@ -127,7 +127,8 @@ def _check_links(path: Path, setting: str, fix: str) -> None:
         except RuntimeError:  # Python < 3.13: a loop
             why = "a symbolic link loop"
         except OSError as err:
-            why = "a symbolic link loop" if err.errno == errno.ELOOP else f"a dangling symbolic link (to {os.readlink(p)})"
+            loop = err.errno == errno.ELOOP
+            why = "a symbolic link loop" if loop else f"a dangling symbolic link (to {os.readlink(p)})"
         where = "" if p == path else f" (on the way to {path})"
         raise ValueError(f"{setting}: {p} is {why}{where}; remove or repair the link, or {fix}")
 
