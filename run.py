@@ -549,8 +549,28 @@ def _say(line: str) -> None:
     os.write(sys.stderr.fileno(), (line + "\n").encode("utf-8", "replace"))
 
 
+def missing_environment() -> str | None:
+    """One line when this Python lacks the harness's packages (``python run.py`` outside the project's virtual
+    environment): which module, and how to activate it, before anything imports Hydra (a 36-line traceback)."""
+    import importlib.util
+
+    for module in ("hydra", "omegaconf", "torch", "transformers"):
+        if importlib.util.find_spec(module) is None:
+            venv = Path(__file__).resolve().parent / ".venv"
+            made = "" if venv.is_dir() else " (make setup creates it)"
+            return (
+                f"this Python ({sys.executable}) has no module {module!r}: the harness's packages live in the "
+                f"project's .venv{made}; activate it (source .venv/bin/activate) and rerun, or use "
+                'make run ARGS="...", which needs no activation'
+            )
+    return None
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
+    if missing := missing_environment():
+        _say(f"error: {missing}")
+        sys.exit(2)
     try:
         error, code = check_command(argv)
         if error:

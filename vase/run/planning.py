@@ -310,6 +310,7 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
         check_calibration_text(prep.policy, tokenizer)
         spec, _ = resolved_spec(prep, work)
         check_cache(prep, spec, [(w.ids, w.missing) for w in work], config, setting, machine)
+        _check_scale(prep, spec, work, config, machine)
         from vase.engine.compiled import compile_choice  # torch: only once the run has work
 
         # generation.compile=on that cannot run (a selection policy, no C++ compiler on the CPU): one line, now
@@ -318,6 +319,33 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
         check_resolved(run_dir, {"model": prep.model_spec.resolve()}, write=False)  # refuse changed weights
     check_protocol(run_dir, comparable(run_dir, with_dtype(prep, work)), write=False)
     return RunPlan(prep, problems, data, done_rows, work)
+
+
+def _check_scale(prep: Prepared, spec: Any, work: list[Work], config: Any, machine: bool) -> None:
+    """The plan's size in one line when large; a paper-scale plan on a CPU asks for explicit limit= and n_samples=
+    (:func:`vase.run.scale.check_scale`)."""
+    import torch
+
+    from vase.engine.geometry import config_geometry
+    from vase.models import resolve_dtype
+    from vase.run.scale import check_scale
+
+    try:
+        geometry = config_geometry(config, 1, prep.max_length, resolve_dtype(spec.dtype), torch.device("cpu"))
+        row_kv: int | None = int(geometry.kv_bytes_per_row)
+    except Exception:  # a config the estimate cannot read: the size in tokens alone
+        row_kv = None
+    cfg = prep.cfg
+    explicit = (cfg.limit is not None and cfg.n_samples is not None) or cfg.task.get("problem_ids") is not None
+    check_scale(
+        prep.task.name,
+        spec.resolved_device().type,
+        [(len(w.ids), len(w.missing)) for w in work],
+        prep.max_length,
+        row_kv,
+        explicit,
+        machine,
+    )
 
 
 def check_calibration_text(policy: Any, tokenizer: Any) -> None:
