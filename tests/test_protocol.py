@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from tasks.grading import CODE_EXTRACTIONS, EQUIVALENCES, GRADER_RULES
 from tests.test_tasks import SHARED, needs_shared
+from tests.tolerance import close
 from vase.analysis.load import GRADER_RULES as ANALYSIS_RULES
 from vase.analysis.paper import GSM8K_PILOT
 from vase.engine.rng import TOKEN_SALT, RowRNG
@@ -193,7 +194,8 @@ def _full_probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
 def test_no_top_k_is_temperature_and_top_p_only(temperature, top_p):
     logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(1)) * 3
     got = _full_probs(logits, SamplingConfig(temperature=temperature, top_p=top_p, top_k=0))
-    torch.testing.assert_close(got, ref_top_p(logits, temperature, top_p), rtol=1e-5, atol=1e-7)
+    # float32 softmax over 200 logits against a float64 reference
+    torch.testing.assert_close(got, ref_top_p(logits, temperature, top_p), **close(torch.float32, 200, scale=1e-2))
 
 
 def test_no_top_k_equals_the_authors_warper():
@@ -203,7 +205,7 @@ def test_no_top_k_equals_the_authors_warper():
     logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(2))
     theirs = torch.softmax(TopPLogitsWarper(top_p=0.95, min_tokens_to_keep=1)(None, logits / 0.6), dim=-1)
     ours = _full_probs(logits, SamplingConfig(temperature=0.6, top_p=0.95, top_k=0))
-    torch.testing.assert_close(ours, theirs.double(), rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(ours, theirs.double(), **close(torch.float32, 500, scale=1e-2))
     # the knob matters: tokens past the 20th are in the nucleus, and top-k 20 drops them
     assert ((ours > 0).sum(dim=-1) > 20).all()
     top20 = _full_probs(logits, SamplingConfig(temperature=0.6, top_p=0.95, top_k=20))
