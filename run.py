@@ -14,8 +14,8 @@ pass_k. Results: results/<task>/<model>/<run>/. Rerunning the same command resum
 Before Hydra starts (so nothing is written, not even Hydra's own directory), every cell of the command line (one run,
 or every job of a multirun: the product of the swept values, the sweep file's included) is composed with Hydra's
 compose API and checked: first every setting (:func:`check_overrides`, :mod:`vase.run.checks`, no torch), then
-everything a run checks before it writes (:func:`check_runs`, :func:`vase.run.planning.plan`: the policy's and the
-task's fields, the data, the run directory, the model's config, the device, the memory). A typo or a bad value is one
+everything a run checks before it writes (:func:`check_runs`, :func:`vase.run.planning.preflight`: the policy's and
+the task's fields, the data, the run directory, the model's config, the device, the memory). A typo or a bad value is one
 line on stderr with a did-you-mean or the fix, exit code 2. Under ``torchrun`` (or ``srun`` with several tasks) rank 0
 runs these checks and every rank prints its verdict (:func:`check_command`); each cell then runs data-parallel on
 every rank (:mod:`vase.run.distributed`), and a cell that fails fails on every rank with the same line while the sweep
@@ -360,8 +360,7 @@ def check_runs(argv: list[str]) -> str | None:
     args, cells = _checked["args"], _checked["cells"]
     if args.cfg or args.info or args.resolve or args.package:
         return None
-    from vase.run.planning import plan
-    from vase.run.rundir import check_writable, probe_lock
+    from vase.run.planning import preflight
 
     handler = logging.StreamHandler(sys.stderr)  # warnings of the checks, before Hydra configures logging
     handler.setFormatter(logging.Formatter("[%(asctime)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S"))
@@ -370,14 +369,8 @@ def check_runs(argv: list[str]) -> str | None:
     root.addHandler(handler)
     try:
         for cell, cfg in _checked["composed"]:
-            where = cfg.hydra.sweep.dir if args.multirun else cfg.hydra.run.dir
-            machine = "Slurm" not in str(cfg.hydra.launcher.get("_target_", ""))
             try:
-                fix = "point results_dir (or hydra.run.dir / hydra.sweep.dir) at a directory you can write"
-                check_writable(Path(str(where)), "results_dir (Hydra's output directory)", fix)
-                p = plan(cfg, machine=machine, cache=True)
-                if not args.multirun:
-                    probe_lock(p.prep.run_dir)
+                preflight(cfg, multirun=args.multirun)
             except ValueError as err:
                 return _in_cell(cell, cells, str(err))
             except ModuleNotFoundError as err:

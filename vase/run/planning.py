@@ -362,6 +362,28 @@ def check_calibration_text(policy: Any, tokenizer: Any) -> None:
         )
 
 
+def preflight(cfg: DictConfig, *, multirun: bool = False) -> RunPlan:
+    """The one decision whether a run may start, before Hydra writes anything: the composed config (with Hydra's own
+    node, as ``run.py`` composes it) in, the plan out, or a one-line ``ValueError`` (``run.py`` prints it and exits 2).
+
+    Hydra's output directory must be writable; then :func:`plan` (every check of the run, on this machine unless the
+    launcher is SLURM's, whose nodes check device and memory), and for a single run that no other process holds the
+    run directory. The runner then executes the plan (:func:`vase.run.runner.run` plans again under the same rules
+    before it takes the lock). docs/architecture.md, "Which file decides what", lists what each check decides.
+    """
+    from vase.run.rundir import check_writable, probe_lock
+
+    hydra = cfg.hydra
+    where = hydra.sweep.dir if multirun else hydra.run.dir
+    fix = "point results_dir (or hydra.run.dir / hydra.sweep.dir) at a directory you can write"
+    check_writable(Path(str(where)), "results_dir (Hydra's output directory)", fix)
+    machine = "Slurm" not in str(hydra.launcher.get("_target_", ""))
+    p = plan(cfg, machine=machine, cache=True)
+    if not multirun:
+        probe_lock(p.prep.run_dir)
+    return p
+
+
 def still_to_do(p: RunPlan, done_rows: list[dict]) -> list[Work]:
     """The plan's work, measured again if ``done_rows`` (read under the lock) differ from the plan's."""
     done = {(r["problem_id"], r["sample"]) for r in done_rows}
