@@ -15,8 +15,8 @@ Before Hydra starts (so nothing is written, not even Hydra's own directory), eve
 or every job of a multirun: the product of the swept values, the sweep file's included) is composed with Hydra's
 compose API and checked: first every setting (:func:`check_overrides`, :mod:`vase.run.checks`, no torch), then
 everything a run checks before it writes (:func:`check_runs`, :func:`vase.run.planning.preflight`: the policy's and
-the task's fields, the data, the run directory, the model's config, the device, the memory). A typo or a bad value is one
-line on stderr with a did-you-mean or the fix, exit code 2. Under ``torchrun`` (or ``srun`` with several tasks) rank 0
+the task's fields, the data, the run directory, the model's config, the device, the memory). A typo or a bad value is
+one line on stderr with a did-you-mean or the fix, exit code 2. Under ``torchrun`` (or ``srun`` with several tasks) rank 0
 runs these checks and every rank prints its verdict (:func:`check_command`); each cell then runs data-parallel on
 every rank (:mod:`vase.run.distributed`), and a cell that fails fails on every rank with the same line while the sweep
 goes on.
@@ -224,7 +224,7 @@ def check_overrides(argv: list[str]) -> str | None:
         except ValueError as err:
             return _in_cell(cell, cells, str(err))
         composed.append((cell, cfg))
-    if not args.multirun and composed:
+    if not args.multirun and composed and not (args.cfg or args.info or args.resolve or args.package):
         error = _sweep_without_m(composed[0][1], [text for text, _ in parsed])
         if error:
             return error
