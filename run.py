@@ -16,8 +16,8 @@ or every job of a multirun: the product of the swept values, the sweep file's in
 compose API and checked: first every setting (:func:`check_overrides`, :mod:`vase.run.checks`, no torch), then
 everything a run checks before it writes (:func:`check_runs`, :func:`vase.run.planning.preflight`: the policy's and
 the task's fields, the data, the run directory, the model's config, the device, the memory). A typo or a bad value is
-one line on stderr with a did-you-mean or the fix, exit code 2. Under ``torchrun`` (or ``srun`` with several tasks) rank 0
-runs these checks and every rank prints its verdict (:func:`check_command`); each cell then runs data-parallel on
+one line on stderr with a did-you-mean or the fix, exit code 2. Under ``torchrun`` (or ``srun`` with several tasks)
+rank 0 runs these checks and every rank prints its verdict (:func:`check_command`); each cell then runs data-parallel on
 every rank (:mod:`vase.run.distributed`), and a cell that fails fails on every rank with the same line while the sweep
 goes on.
 
