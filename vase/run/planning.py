@@ -32,7 +32,7 @@ from vase.engine.sampling import SamplingConfig, sample_seeds
 from vase.engine.scores import score_dtype
 from vase.run.checks import check_protocol_n_protect, check_settings, parse_bytes
 from vase.run.preflight import check_cache, check_fields, check_model, load_problems, load_tokenizer, no_problems
-from vase.run.protocol import check_authors_data, comparable, data_copy, protocol_knobs, run_tag
+from vase.run.protocol import check_authors_data, check_authors_source, comparable, data_copy, protocol_knobs, run_tag
 from vase.run.protocol import settings as protocol_settings
 from vase.run.results import PROTOCOL, check_protocol, check_resolved, read_json, read_samples, stable_hash
 from vase.run.rundir import check_run_dir
@@ -276,6 +276,7 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
     run_dir = prep.run_dir
     build(cfg.logger, "logger")  # its settings, checked now (it starts after the lock)
     check_run_dir(run_dir, "run_dir" if cfg.run_dir else "results_dir")
+    check_authors_source(prep.task, cfg.get("protocol"))  # protocol=paper without task.data_dir: before the hub
     key = stable_hash([type(prep.task).__qualname__, asdict(prep.task)], 16)
     prep.task, problems = load_problems(prep.task, key, cache)
     if not problems:
