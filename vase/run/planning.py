@@ -286,6 +286,7 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
     data = {"data": prep.task.resolved_sources(), "data_copy": prep.data_copy}
     check_resolved(run_dir, data, write=False)  # refuse a resume on changed data (read-only)
     done_rows = read_samples(run_dir, for_metrics=True)  # samples.jsonl and the rank part files of a data-parallel run
+    check_resumed_output_checks(cfg, prep.policy, run_dir, done_rows)
     done = {(r["problem_id"], r["sample"]) for r in done_rows}
     pending = [(p, [i for i in range(prep.n_samples) if (p.id, i) not in done]) for p in problems]
     pending = [(p, missing) for p, missing in pending if missing]
@@ -305,6 +306,20 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
         check_resolved(run_dir, {"model": prep.model_spec.resolve()}, write=False)  # refuse changed weights
     check_protocol(run_dir, comparable(run_dir, with_dtype(prep, work)), write=False)
     return RunPlan(prep, problems, data, done_rows, work)
+
+
+def check_resumed_output_checks(cfg: DictConfig, policy, run_dir: Path, done_rows: list[dict]) -> None:
+    """``generation.check_policy_output=true`` on a run that already holds samples decoded without the check: refused
+    in one line (resuming would check only the samples still to decode, and a finished run none at all)."""
+    if policy.kind != "eviction" or not bool(cfg.generation.get("check_policy_output", False)):
+        return
+    unchecked = [r for r in done_rows if not r.get("policy_output_checked")]
+    if unchecked:
+        raise ValueError(
+            f"generation.check_policy_output=true: {len(unchecked)} of the {len(done_rows)} samples in {run_dir} were "
+            "decoded without the check, and a resumed run cannot check them; set run_dir= to a new directory to "
+            "check every answer, or drop the setting to resume this run as it is"
+        )
 
 
 def still_to_do(p: RunPlan, done_rows: list[dict]) -> list[Work]:
