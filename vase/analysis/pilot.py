@@ -357,17 +357,46 @@ def _f(x, digits: int = 1) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def _title(task: str, model: str, t: pd.DataFrame) -> str:
+    """The line above a (task, model)'s table: the budgets, problems and samples per policy."""
+    budgets = sorted({_budget(b) for b in t["budget"]} - {"–"}, key=lambda x: (len(x), x))
+    return (
+        f"**{task}**, {model}, budget {', '.join(budgets) or '–'}: {int(t['problems'].max())} problems "
+        f"× {int(t['samples'].max() // max(1, t['problems'].max()))} samples per policy."
+    )
+
+
+def summary_markdown(table: pd.DataFrame, where: str) -> str:
+    """The short form of :func:`pilot_table` (the README's): per (task, model) each policy's budget, pass@1 ± SE,
+    difference to the full cache ± paired SE and paper GSM8K cell, the same cells as the full table (so the two agree
+    digit for digit), with the paper rows' notes; ``where`` names the document that has the full table."""
+    lines = []
+    for (task, model), t in table.groupby(["task", "model"], sort=False):
+        lines += [_title(task, model, t), ""]
+        lines.append("| policy | budget | pass@1 % ± SE | Δ vs full ± paired SE | paper GSM8K % |")
+        lines.append("|---|---|---|---|---|")
+        for _, r in t.iterrows():
+            done = "" if r["complete"] else " †"
+            delta = "–" if math.isnan(r["delta_vs_full"]) else f"{r['delta_vs_full']:+.1f} ± {_f(r['delta_se'])}"
+            lines.append(
+                f"| {r['method']}{done} | {_budget(r['budget'])} | {_f(r['accuracy'])} ± {_f(r['accuracy_se'])} | "
+                f"{delta} | {_paper_cell(r)} |"
+            )
+        lines.append("")
+        lines += _paper_notes(t)
+    lines.append(
+        f"Paper GSM8K: {GSM8K_PILOT.model}, B = {GSM8K_PILOT.budget} (another task and model: for orientation). "
+        f"The full table, the paired comparisons and the sources: {where}. † = incomplete run."
+    )
+    return "\n".join(lines) + "\n"
+
+
 def _policy_tables(table: pd.DataFrame) -> list[str]:
     """One Markdown table per (task, model) of :func:`pilot_table`."""
     lines = []
     rules = [c for c in ("accuracy_strict", "accuracy_last_boxed") if c in table and table[c].notna().any()]
     for (task, model), t in table.groupby(["task", "model"], sort=False):
-        budgets = sorted({_budget(b) for b in t["budget"]} - {"–"}, key=lambda x: (len(x), x))
-        lines.append(
-            f"**{task}**, {model}, budget {', '.join(budgets) or '–'}: {int(t['problems'].max())} problems "
-            f"× {int(t['samples'].max() // max(1, t['problems'].max()))} samples per policy."
-        )
-        lines.append("")
+        lines += [_title(task, model, t), ""]
         graders = ", ".join(sorted({g for g in t.get("grader", pd.Series(dtype=object)).dropna()}))
         rule_heads = "".join(f" {c.removeprefix('accuracy_').replace('_', '-')} % |" for c in rules)
         lines.append(
