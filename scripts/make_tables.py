@@ -36,7 +36,7 @@ def main() -> int:
     for line in absent:
         print(line, file=sys.stderr)
     for line in written:
-        print(f"generated {line}")
+        print(f"wrote {line}")
     return 0
 
 
