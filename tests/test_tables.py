@@ -14,6 +14,7 @@ import pytest
 
 from tests.test_analysis import make_run
 from tests.test_pilot import FULL, REASONING
+from vase.analysis.load import load_tree
 from vase.analysis.pilot import (
     BLOCKS,
     pilot_comparisons,
@@ -225,3 +226,27 @@ def test_the_readme_summary_states_each_paper_reference_once(results: Path):
     notes = [line for line in text.splitlines() if line.startswith("\\*")]
     assert len(notes) == 1 and "84.45" in notes[0] and "4 sinks" in notes[0]
     assert text.count("‡ not in the paper") == 1 and "85.2" not in text
+
+
+@pytest.mark.slow  # three runs of the real runner on the tiny model (~40 s); the fast twin is the first test above
+def test_the_slim_form_of_a_real_runners_tree_gives_the_same_tables(tmp_path: Path):
+    from hydra import compose, initialize_config_dir
+
+    from vase.run.runner import run
+
+    results = tmp_path / "results"
+    for policy in ("full", "snapkv", "vase_attnv"):
+        overrides = ["model=tiny", "task=gsm_symbolic", "logger=none", "limit=2", "n_samples=2", "budget=32"]
+        overrides += ["window=16", "generation.max_length=100", "progress=false", f"results_dir={results}"]
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            run(compose(config_name="config", overrides=[*overrides, f"policy={policy}"]), progress=False)
+    slim_tree(results, tmp_path / "pilot.tar.xz", wall_seconds=1.0)
+    with open_slim(tmp_path / "pilot.tar.xz") as slim:
+        for frame in (pilot_table, pilot_comparisons):
+            pd.testing.assert_frame_equal(frame(slim), frame(results))
+        assert pilot_markdown(pilot_table(slim), comparisons=pilot_comparisons(slim)) == pilot_markdown(
+            pilot_table(results), comparisons=pilot_comparisons(results)
+        )
+        assert reasoning_markdown(slim) == reasoning_markdown(results)
+        machines = set(load_tree(slim).runs["machine"])
+        assert machines and None not in machines  # the manifest's machine survives
