@@ -15,7 +15,12 @@ SnapKV, protection vs sampling, VaSE-DKV vs CurDKV, keeping the prompt vs not, R
 VaSE), and ``full_cache_line`` the full cache on another problem set (the unselected control, or the selection run).
 
 ``scripts/pilot_report.py`` writes them as Markdown and can replace a generated block of ``docs/pilot.md``
-(:data:`BLOCKS`: ``pilot`` for the first pilot, ``reasoning`` for the second).
+(:data:`BLOCKS`: ``pilot`` for the first pilot, ``reasoning`` for the second); ``make tables``
+(:mod:`vase.analysis.published`) writes those blocks and the README's summary (:func:`summary_markdown`) from the
+committed compact results.
+
+Long module: the tables and every Markdown form of them share one paper-row lookup and one set of cell formats, so
+docs/pilot.md and the README's summary agree digit for digit.
 """
 
 from __future__ import annotations

@@ -83,11 +83,14 @@ def slim_command(name: str) -> str:
     return f"python scripts/slim_results.py results/{name} {(DATA / name).as_posix()}{SUFFIX}"
 
 
-def missing(pub: Published, data: Path) -> str:
+def missing(pub: Published, data: Path, repo: Path | None = None) -> str:
     """One line: the pilot's compact results are absent, and which commands produce them."""
+    path = archive(data, pub.name)
+    if repo is not None and path.is_relative_to(repo):
+        path = path.relative_to(repo)
     return (
-        f"{archive(data, pub.name)}: no compact results for the {pub.block!r} tables; produce them with "
-        f"`{pub.make}` then `make slim` ({slim_command(pub.name)})"
+        f"{path}: no compact results for the {pub.block!r} tables; `{pub.make}` produces them (it ends with the "
+        f"slim step and make tables), or from an existing results/{pub.name}: `make slim` ({slim_command(pub.name)})"
     )
 
 
@@ -144,7 +147,7 @@ def generated(repo: str | Path, data: str | Path | None = None) -> tuple[dict[tu
     absent = []
     for pub in PUBLISHED:
         if not archive(data, pub.name).is_file():
-            absent.append(missing(pub, data))
+            absent.append(missing(pub, data, repo))
             continue
         doc_text, readme_text = render(pub, data)
         for (path, (begin, _), _required), text in zip(_targets(repo, pub), (doc_text, readme_text)):
