@@ -192,7 +192,8 @@ def test_the_committed_tables_are_what_make_tables_writes(pub):
     if not archive(ROOT / DATA, pub.name).is_file():
         pytest.skip(
             f"{(DATA / pub.name).as_posix()}.tar.xz is not committed yet (pending the next full pilot run: "
-            f"`{pub.make}` then `make slim` and `make tables`); this check runs once it is"
+            f"`{pub.make}`, which slims its results and runs make tables; then commit docs/data/ and the docs); "
+            "this check runs once it is"
         )
     stale, _ = stale_tables(ROOT)
     mine = [*BLOCKS[pub.block], *README_BLOCKS[pub.block]]
