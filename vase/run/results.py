@@ -94,8 +94,8 @@ def _numbered_rows(path: Path, repair: bool = False) -> list[tuple[int, Any]]:
         if line.strip():
             try:
                 rows.append((i + 1, loads(line)))
-            except Unparseable as err:
-                raise ValueError(
+            except Unparseable as err:  # never a torn write: refused wherever it is, like a field out of range
+                raise BadSample(
                     f"{path}: line {i + 1} is not a line vase writes ({err}); fix or delete that line (every other "
                     "line is kept), then rerun (nothing was counted or written)"
                 ) from None
