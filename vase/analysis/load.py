@@ -167,7 +167,7 @@ def not_a_run(run_dir: Path) -> str | None:
             return None
     try:
         config = _read_config(run_dir)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):
         config = {}
     if isinstance(config, dict) and isinstance(config.get("policy"), dict):
         return None
@@ -178,7 +178,13 @@ def _read_config(run_dir: Path) -> dict:
     path = run_dir / "config.yaml"
     if not path.exists():
         return {}
-    return yaml.safe_load(path.read_text()) or {}
+    try:
+        config = yaml.safe_load(path.read_text())
+    except RecursionError:  # PyYAML composes nested nodes recursively
+        raise ValueError(f"{path}: nested deeper than a config vase writes; restore it from a copy") from None
+    if config is not None and not isinstance(config, dict):
+        raise ValueError(f"{path}: a YAML {type(config).__name__}, not the mapping vase writes; restore it from a copy")
+    return config or {}
 
 
 def _get(d: dict | None, dotted: str, default: Any = None) -> Any:
