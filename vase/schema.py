@@ -5,7 +5,13 @@ Every reader of sample lines (resume, the metrics, a shard merge, the report, th
 wrong type (``"correct": "false"``, a string where a count belongs) or hold a non-finite number (``NaN``,
 ``Infinity``, anywhere in the line) is a one-line :class:`BadSample` naming the file, the line number and the field,
 raised before anything is counted from it or written after it. The types are those :func:`vase.run.records.sample_row`
-writes; ``correct_<rule>`` / ``extracted_<rule>`` follow ``correct`` / ``extracted``.
+writes, each number with a range too (counts in ``[0, MAX_TOKENS]``, bytes in ``[0, MAX_BYTES]``, ratios ``> 0``,
+seconds in ``[0, MAX_SECONDS]``; ``finish_reason`` and ``loop_class`` from their closed sets); ``correct_<rule>`` /
+``extracted_<rule>`` follow ``correct`` / ``extracted``. Every file vase reads back is parsed by :func:`loads`, whose
+nesting limit (:data:`MAX_DEPTH`) makes a line nested 100,000 deep one line naming it, never a ``RecursionError``;
+``metrics.json`` and ``throughput.jsonl`` figures are checked by :func:`number_problem` (rates in ``[0, 1]``). What
+the lines must be together (one per planned sample, the run's ``n_samples``, one layout) is
+:mod:`vase.run.validate`.
 
 :data:`SAMPLE_FIELDS` every line has; :data:`METRIC_FIELDS` a line needs for the metrics
 (:func:`vase.run.records.compute_metrics` reads with ``for_metrics=True``). A field a line does not have is not

@@ -24,12 +24,15 @@ anything is counted or written.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from vase.schema import METRIC_FIELDS, SAMPLE_FIELDS, SCHEMA, BadSample
+
+logger = logging.getLogger(__name__)
 
 #: fields a newer release may have added, read by the metrics or the report where a line has them: never averaged
 #: over a subset of a run's lines (:func:`partial_fields`)
@@ -109,8 +112,8 @@ def check_rows(located: Iterable[tuple[Path, int, Mapping]], planned: Planned, f
         first[key] = (path, lineno, row)
         rows.append(dict(row))
     if outside:
-        everything = set(planned.all_problems()) if planned.all_problems is not None else known
-        for path, lineno, row in outside:
+        everything = _every_problem(planned, known, outside)
+        for path, lineno, row in outside if everything is not None else ():
             if row["problem_id"] not in everything:
                 raise BadSample(
                     f"{path}: line {lineno}: problem {row['problem_id']!r} is not a problem of {planned.task} (its "
@@ -118,6 +121,24 @@ def check_rows(located: Iterable[tuple[Path, int, Mapping]], planned: Planned, f
                     "(nothing was counted or written)"
                 )
     return rows
+
+
+def _every_problem(planned: Planned, known: set[str], outside: list) -> set[str] | None:
+    """Every problem of the task (``None``, with a warning, when the rest of the task cannot be read here: the lines
+    outside this invocation's problems are then taken as written by a larger ``limit``)."""
+    if planned.all_problems is None:
+        return known
+    try:
+        return set(planned.all_problems())
+    except Exception as err:  # the rest of a hub dataset offline, a file gone: the check cannot be made, not an error
+        logger.warning(
+            "%s: %d lines name problems outside this invocation's; %s could not be read whole to check them (%s)",
+            outside[0][0],
+            len(outside),
+            planned.task,
+            " ".join(str(err).split()),
+        )
+        return None
 
 
 def _check_layout(located: list[tuple[Path, int, Mapping]]) -> None:
