@@ -30,6 +30,9 @@ this process (of rank ``r`` only, when given) send itself SIGKILL (or ``SIG<sign
 (:func:`kill_point`). Events: ``submitted`` — a finished sample was handed to grading (in the background: its grade is
 being computed, its line not written; inline: before it is graded); ``written`` — a sample's line is durable in
 ``samples.jsonl`` or the rank's part file (:func:`write_sample`).
+
+Long module: the run directory's files, their one writer each and their readers (through the results validator,
+:mod:`vase.run.validate`), are one on-disk format.
 """
 
 from __future__ import annotations
