@@ -311,13 +311,11 @@ def number_problem(obj: Mapping, what: str = "field") -> str | None:
     if bad is not None:
         return f"{what} {bad} is not a finite number"
     for key, value in obj.items():
-        if isinstance(value, Mapping) and "bytes" in str(key):
-            inner = [v for v in value.values() if not _opt(_number(0, MAX_BYTES))[0](v)]
-            if inner:
-                limits = f"finite numbers >= 0 and <= {MAX_BYTES:,}"
-                return f"{what} {key} must hold bytes ({limits}), got {_shown(inner[0])}"
-            continue
         check = _metric_check(str(key))
-        if check is not None and not check[0](value):
-            return f"{what} {key} must be {check[1]}, got {_shown(value)}"
+        if check is None:
+            continue
+        # a figure, or a mapping of figures of that kind (``kv_held_bytes_mean_by_type``: layer type -> bytes)
+        for name, v in value.items() if isinstance(value, Mapping) else [(None, value)]:
+            if not check[0](v):
+                return f"{what} {key}{'' if name is None else f'.{name}'} must be {check[1]}, got {_shown(v)}"
     return None
