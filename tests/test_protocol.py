@@ -25,7 +25,15 @@ from vase.engine.sampling import SamplingConfig, candidate_distribution, sample_
 from vase.engine.scores import SCORE_DTYPES
 from vase.hub import sha256_file
 from vase.run import checks
-from vase.run.protocol import AUTHORS_DATA, DEFAULT, check_authors_data, comparable, data_copy, run_tag
+from vase.run.protocol import (
+    AUTHORS_DATA,
+    DEFAULT,
+    check_authors_data,
+    check_authors_source,
+    comparable,
+    data_copy,
+    run_tag,
+)
 from vase.run.results import check_protocol
 from vase.run.runner import prepare, run
 
@@ -468,3 +476,22 @@ def test_a_run_between_the_papers_rows_is_shown_beside_the_closest_one_with_what
     assert GSM8K_PILOT.closest("vase_attnv", exact) is None and GSM8K_PILOT.match("vase_attnv", exact) is not None
     assert GSM8K_PILOT.closest("vase_attnv", {**defaults, "sinks": 2}) is None  # both rows differ in two fields
     assert GSM8K_PILOT.closest("no_such_policy", defaults) is None
+
+
+@pytest.mark.parametrize("task", ["math500", "aime"])
+def test_paper_without_a_data_dir_refuses_the_hub_before_anything(tmp_path, task):
+    """protocol=paper alone would read the hub's copies (other files than the authors'): one line naming the setting
+    and the fix, before any problem loads or file is written. GSM8K, which their code reads from the hub, runs."""
+    results = tmp_path / "results"
+    args = ["protocol=paper", f"task={task}", "model=tiny", "budget=4096", "logger=none", f"results_dir={results}"]
+    with pytest.raises(ValueError, match=r"^task\.data_dir: protocol 'paper' reads the authors' data files") as err:
+        run(_compose(args), progress=False)
+    msg = str(err.value)
+    assert "\n" not in msg and "task.data_dir=../shared/data" in msg and "require_authors_data=false" in msg
+    assert ("aime25.jsonl, aime26.jsonl" if task == "aime" else "math500.jsonl") in msg
+    assert not results.exists()
+    for fine in (["protocol.require_authors_data=false"], ["protocol=default"]):
+        cfg = _compose([*args, *fine])
+        check_authors_source(prepare(cfg).task, cfg.protocol)  # no refusal
+    cfg = _compose(["protocol=paper", "task=gsm8k", "model=tiny"])
+    check_authors_source(prepare(cfg).task, cfg.protocol)

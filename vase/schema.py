@@ -191,6 +191,7 @@ SCHEMA: dict[str, Check] = {
     "attended_tokens": _opt(_TOKENS),
     "meta": (lambda v: isinstance(v, dict), "an object"),
     "rank": _count(MAX_RANKS),
+    "policy_output_checked": _BOOL,  # generation.check_policy_output=true (planning refuses a mixed resume)
 }
 PREFIXED: dict[str, Check] = {"correct_": _BOOL, "extracted_": _ANSWER}
 

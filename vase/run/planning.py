@@ -32,7 +32,7 @@ from vase.engine.sampling import SamplingConfig, sample_seeds
 from vase.engine.scores import score_dtype
 from vase.run.checks import check_protocol_n_protect, check_settings, parse_bytes
 from vase.run.preflight import check_cache, check_fields, check_model, load_problems, load_tokenizer, no_problems
-from vase.run.protocol import check_authors_data, comparable, data_copy, protocol_knobs, run_tag
+from vase.run.protocol import check_authors_data, check_authors_source, comparable, data_copy, protocol_knobs, run_tag
 from vase.run.protocol import settings as protocol_settings
 from vase.run.results import PROTOCOL, check_protocol, check_resolved, read_json, read_samples, stable_hash
 from vase.run.rundir import check_run_dir
@@ -277,6 +277,7 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
     run_dir = prep.run_dir
     build(cfg.logger, "logger")  # its settings, checked now (it starts after the lock)
     check_run_dir(run_dir, "run_dir" if cfg.run_dir else "results_dir")
+    check_authors_source(prep.task, cfg.get("protocol"))  # protocol=paper without task.data_dir: before the hub
     key = stable_hash([type(prep.task).__qualname__, asdict(prep.task)], 16)
     prep.task, problems = load_problems(prep.task, key, cache)
     if not problems:
@@ -287,6 +288,7 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
     check_resolved(run_dir, data, write=False)  # refuse a resume on changed data (read-only)
     # samples.jsonl and the rank part files of a data-parallel run, against the samples this run plans
     done_rows = read_samples(run_dir, for_metrics=True, planned=planned_for(prep.task, problems, prep.n_samples))
+    check_resumed_output_checks(cfg, prep.policy, run_dir, done_rows)
     done = {(r["problem_id"], r["sample"]) for r in done_rows}
     pending = [(p, [i for i in range(prep.n_samples) if (p.id, i) not in done]) for p in problems]
     pending = [(p, missing) for p, missing in pending if missing]
@@ -306,6 +308,20 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
         check_resolved(run_dir, {"model": prep.model_spec.resolve()}, write=False)  # refuse changed weights
     check_protocol(run_dir, comparable(run_dir, with_dtype(prep, work)), write=False)
     return RunPlan(prep, problems, data, done_rows, work)
+
+
+def check_resumed_output_checks(cfg: DictConfig, policy, run_dir: Path, done_rows: list[dict]) -> None:
+    """``generation.check_policy_output=true`` on a run that already holds samples decoded without the check: refused
+    in one line (resuming would check only the samples still to decode, and a finished run none at all)."""
+    if policy.kind != "eviction" or not bool(cfg.generation.get("check_policy_output", False)):
+        return
+    unchecked = [r for r in done_rows if not r.get("policy_output_checked")]
+    if unchecked:
+        raise ValueError(
+            f"generation.check_policy_output=true: {len(unchecked)} of the {len(done_rows)} samples in {run_dir} were "
+            "decoded without the check, and a resumed run cannot check them; set run_dir= to a new directory to "
+            "check every answer, or drop the setting to resume this run as it is"
+        )
 
 
 def still_to_do(p: RunPlan, done_rows: list[dict]) -> list[Work]:

@@ -40,7 +40,7 @@ OPTIONAL_FIELDS = tuple(
     k
     for k in SCHEMA
     if k not in SAMPLE_FIELDS + METRIC_FIELDS
-    and k not in ("seed", "grader", "error", "output", "meta", "rank", "budget", "problem_id")
+    and k not in ("seed", "grader", "error", "output", "meta", "rank", "budget", "problem_id", "policy_output_checked")
 )
 
 
