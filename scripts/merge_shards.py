@@ -46,9 +46,9 @@ from vase.run.results import (  # noqa: E402
     check_resolved,
     diff_protocol,
     read_json,
-    read_jsonl_tolerant,
     read_samples,
     read_throughput,
+    read_throughput_file,
     write_json,
 )
 from vase.run.rundir import check_run_dir, lock_run_dir, probe_lock  # noqa: E402
@@ -113,7 +113,7 @@ def merge(prefix: Path) -> dict:
                     have.add((r["problem_id"], r["sample"]))
                     new.append(r)
         append_jsonl(prefix / SAMPLES, new)  # appended: what the target held stays, byte for byte
-        own = [r for r in read_jsonl_tolerant(prefix / THROUGHPUT, repair=True) if "merged_from" not in r]
+        own = [r for r in read_throughput_file(prefix / THROUGHPUT, repair=True) if "merged_from" not in r]
         merged = [{**r, "merged_from": s.name} for s in shards for r in read_throughput(s)]
         tmp = prefix / (THROUGHPUT + ".tmp")
         tmp.unlink(missing_ok=True)

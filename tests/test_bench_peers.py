@@ -44,7 +44,7 @@ def _fake_run_dir(root: Path) -> Path:
     lines = [dict(tokens=30, prefills=2, prefill_seconds=0.5, decode_seconds=1.0), dict(tokens=10, prefills=0,
              prefill_seconds=0.0, decode_seconds=0.25)]  # fmt: skip
     (run / "throughput.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    rest = dict(sample=0, loop_class="none", extracted=None, output_tokens=20, compression_ratio=1.0,
+    rest = dict(sample=0, loop_class="ok", extracted=None, output_tokens=20, compression_ratio=1.0,
                 kv_held_bytes_end=0, kv_full_bytes_end=0)  # fmt: skip
     samples = [dict(problem_id="p1", correct=True, prompt_tokens=7, finish_reason="eos", **rest),
                dict(problem_id="p2", correct=False, prompt_tokens=9, finish_reason="length", **rest)]  # fmt: skip

@@ -339,11 +339,18 @@ def test_readers_take_the_union_and_the_fold_survives_a_kill_between_append_and_
     part0, part1 = part_path(run_dir, 0, "samples.jsonl"), part_path(run_dir, 1, "samples.jsonl")
     part0.parent.mkdir()
     append_jsonl(part0, [_row("b", 1), _row("b", 0)])
-    append_jsonl(part1, [_row("c", 0), _row("a", 0, correct=True)])  # a duplicate of a line already folded
+    append_jsonl(part1, [_row("c", 0), _row("a", 0)])  # a duplicate of a line already folded (the same line)
     with open(part1, "a") as f:
         f.write('{"problem_id": "c", "sam')  # torn by a kill
     keys = [_key(r) for r in read_samples(run_dir)]
     assert keys == [("a", 0), ("b", 1), ("b", 0), ("c", 0)]
+    # the same sample with other content (issue 40: the first line no longer wins silently): one line naming both
+    text = part1.read_text()
+    other = json.dumps(_row("a", 0, correct=True))
+    part1.write_text(text.replace('{"problem_id": "a", "sample": 0, "correct": false}', other))
+    with pytest.raises(ValueError, match=r"rank1\.samples\.jsonl: line 2: sample 0 of problem 'a' again, with other"):
+        read_samples(run_dir)
+    part1.write_text(text)
     # a fold killed after appending rank 0's part but before deleting it: the next fold adds nothing twice
     append_jsonl(run_dir / "samples.jsonl", read_jsonl_tolerant(part0))
     assert fold_parts(run_dir) == 1  # only ("c", 0) was missing

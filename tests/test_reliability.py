@@ -27,6 +27,8 @@ from vase.run.runner import run
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "reliability.md"
+#: where the generated part of docs/reliability.md ends: what follows is written by hand and kept by render()
+HAND = "<!-- written by hand below this line; make reliability-doc keeps it -->"
 
 
 ROW = b'{"problem": "1+1?", "answer": "2", "unique_id": "a"}\n'
@@ -502,7 +504,10 @@ def render() -> str:
             file, name = c.test.split("::")
             lines.append(f"| {c.fault} | {c.sees} | {c.code} | `{Path(file).name}::{name}` |")
         lines.append("")
-    return "\n".join(lines)
+    text = "\n".join(lines)
+    # a section written by hand (what a damaged copy of each file gets) follows the generated tables: kept as it is
+    kept = DOC.read_text() if DOC.is_file() else ""
+    return text + kept[kept.index(HAND) :] if HAND in kept else text
 
 
 def _test_functions(file: str) -> set[str]:

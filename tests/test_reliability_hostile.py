@@ -28,6 +28,7 @@ from tests.reliability_registry import Case, Refusal
 ROOT = Path(__file__).resolve().parents[1]
 HOSTILE_AREAS = ["Policies", "Generation", "Samples read back", "Report and scripts", "Data parallel", "New settings"]
 HERE = "tests/test_reliability_hostile.py"
+V = "tests/test_results_validator.py"
 DIST = "tests/test_distributed.py"
 
 HOSTILE_REFUSALS = [
@@ -671,6 +672,79 @@ HOSTILE_CASES = [
         "2",
         _h("test_under_torchrun_the_summary_shows_the_one_line", DIST),
     ),
+    # issue 40: the results-tree validator (vase/run/validate.py), tests/test_results_validator.py
+    Case(
+        "Samples read back",
+        "two different lines for the same (problem, sample) in `samples.jsonl` (or in it and a rank's part)",
+        "`error: <file>: line 7: sample 0 of problem '...' again, with other content than <file>: line 1 ...; delete "
+        "the wrong line ...`; the same line twice counts once",
+        "2",
+        _h("test_issue_1_two_different_lines_for_one_sample_are_refused", V),
+    ),
+    Case(
+        "Samples read back",
+        "a line for a sample beyond `n_samples` (sample 9 of 2), on a resume, the metrics, a merge or the report",
+        "`error: <file>: line 7: sample 9 of problem '...' is beyond the run's n_samples=2 (protocol.json: samples 0 "
+        "to 1); delete that line ...`",
+        "2",
+        _h("test_issue_2_a_sample_beyond_n_samples_is_refused", V),
+    ),
+    Case(
+        "Samples read back",
+        "a line for a problem the task does not have, on a resume (a problem past this `limit` is the task's)",
+        "`error: <file>: line 7: problem 'not-a-problem' is not a problem of task gsm_symbolic (...); delete that "
+        "line, or resume with the task it was written for ...`",
+        "2",
+        _h("test_issue_2_a_problem_the_task_does_not_have_is_refused_by_the_resume", V),
+    ),
+    Case(
+        "Samples read back",
+        "a count out of its range (`output_tokens: 10**30`, a negative count, bytes past 1 PiB, a ratio <= 0, an "
+        "unknown `finish_reason`): 40+ damaged lines in a table",
+        "`error: <file>: line 2: field output_tokens must be an integer >= 0 and <= 1,000,000,000, got ...`",
+        "2",
+        _h("test_a_damaged_line_is_one_line_naming_the_file_and_the_line", V),
+    ),
+    Case(
+        "Samples read back",
+        "`kv_held_bytes_end_by_type` as a list",
+        "`error: <file>: line 4: field kv_held_bytes_end_by_type must be an object of layer type -> bytes ...`",
+        "2",
+        _h("test_by_type_as_a_list_is_one_line", V),
+    ),
+    Case(
+        "Samples read back",
+        "a line nested 100,000 arrays deep (samples, throughput, a part file; `protocol.json`)",
+        "`error: <file>: line 7 is not a line vase writes (arrays or objects nested more than 32 deep ...)`; a "
+        "`metrics.json` nested so is ignored with a warning and recomputed",
+        "2",
+        _h("test_a_line_nested_100000_deep_is_one_line_everywhere", V),
+    ),
+    Case(
+        "Samples read back",
+        "a resumed run of an older release: a field only the new lines carry (`kv_retained_bytes_mean`)",
+        "the metrics and the report show it missing (`null`, `fields_missing`: absent from 3 of 6 samples ...), "
+        "never a mean over the new lines",
+        "0",
+        _h("test_issue_4_a_field_only_the_newer_lines_carry_is_never_averaged_over_a_subset", V),
+    ),
+    Case(
+        "Report and scripts",
+        "a results tree holding one run of an older layout (lines without `kv_held_bytes_end`)",
+        "the other runs are reported; one warning `skipping <dir>: written by an older release of vase (...); rerun "
+        "it into a new directory (python run.py --config-path <dir> --config-name config run_dir=<dir>-rerun) ...`",
+        "0",
+        _h("test_an_older_run_in_a_tree_is_named_with_a_fix_and_the_others_are_reported", V),
+    ),
+    Case(
+        "Report and scripts",
+        "a `throughput.jsonl` line out of range (negative seconds, a count as a string) or a `metrics.json` rate "
+        "outside [0, 1]",
+        "`error: <file>: line 1: field decode_seconds must be a finite number >= 0 ...`; the `metrics.json` is "
+        "ignored with a warning and the run recomputed from its samples",
+        "2",
+        _h("test_a_damaged_throughput_line_is_one_line", V),
+    ),
 ]
 
 
@@ -684,14 +758,14 @@ BAD_FIELDS = [
     ("sample", '"0"', "field sample must be an integer >= 0"),
     ("sample", "0.5", "field sample must be an integer >= 0"),
     ("problem_id", "7", "field problem_id must be a string"),
-    ("finish_reason", "null", "field finish_reason must be a string"),
-    ("loop_class", "3", "field loop_class must be a string"),
+    ("finish_reason", "null", "field finish_reason must be one of eos, stop, length, loop"),
+    ("loop_class", "3", "field loop_class must be one of loop, garbage, truncated, ok"),
     ("extracted", "[1]", "field extracted must be a string, a number or null"),
     ("output_tokens", '"12"', "field output_tokens must be an integer >= 0"),
     ("output_tokens", "-1", "field output_tokens must be an integer >= 0"),
     ("output_tokens", "NaN", "field output_tokens is not a finite number"),
     ("output_tokens", "Infinity", "field output_tokens is not a finite number"),
-    ("compression_ratio", '"2.0"', "field compression_ratio must be a finite number >= 0"),
+    ("compression_ratio", '"2.0"', "field compression_ratio must be a finite number > 0"),
     ("compression_ratio", "NaN", "field compression_ratio is not a finite number"),
     ("compression_ratio", "-Infinity", "field compression_ratio is not a finite number"),
     ("kv_held_bytes_end", "1e999", "field kv_held_bytes_end is not a finite number"),
@@ -701,7 +775,7 @@ BAD_FIELDS = [
     ("held_tokens_mean", "NaN", "field held_tokens_mean is not a finite number"),
     ("eviction_seconds", "Infinity", "field eviction_seconds is not a finite number"),
     ("evictions", "1.5", "field evictions must be an integer >= 0"),
-    ("attended_tokens", '"x"', "field attended_tokens must be a finite number >= 0 or null"),
+    ("attended_tokens", '"x"', "field attended_tokens must be a finite number >= 0 and <= 1,000,000,000 or null"),
     ("meta.year", "NaN", "field meta.year is not a finite number"),
     ("finish_reason", None, "is not a sample the metrics read (an object without finish_reason"),
 ]

@@ -22,13 +22,14 @@ the same code serves the next sweep.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from vase.schema import loads
 
 if TYPE_CHECKING:
     import wandb_workspaces.reports.v2 as wr
@@ -293,7 +294,14 @@ def load_manifest(report_dir: str | Path) -> dict:
     path = Path(report_dir) / MANIFEST
     if not path.exists():
         raise ValueError(f"--report: no {MANIFEST} in {report_dir}; run `python scripts/report.py RESULTS_DIR` first")
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = loads(path.read_bytes())  # nesting bounded (vase.schema.loads)
+    except ValueError as err:  # not JSON, not UTF-8, nested too deep
+        raise ValueError(
+            f"{path}: damaged ({' '.join(str(err).split())}); run `python scripts/report.py RESULTS_DIR` again"
+        ) from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path}: a JSON {type(manifest).__name__}, not an object; run scripts/report.py again")
     for kind in MEDIA_KINDS:
         manifest.setdefault(kind, [])
     return manifest

@@ -23,6 +23,8 @@ import yaml
 
 from vase.analysis.labels import NOT_HYPERPARAMETERS, label_policies, policy_class_name
 from vase.run.results import SAMPLES, THROUGHPUT, BadSample, read_samples, read_throughput, stable_hash
+from vase.run.validate import OldLayout, partial_fields
+from vase.schema import first_nonfinite, loads, number_problem
 
 logger = logging.getLogger(__name__)
 
@@ -122,22 +124,26 @@ def find_run_dirs(root: str | Path) -> list[Path]:
     return sorted(found)
 
 
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"holds {name}, not a finite number")
-
-
 def _read_json(path: Path) -> dict | None:
-    """A JSON object a run saved, or ``None`` (with a warning) when absent, unreadable, not an object or holding a
-    non-finite number (``NaN`` / ``Infinity``: never data)."""
+    """A JSON object a run saved, or ``None`` (with a warning) when absent, unreadable, nested deeper than vase writes,
+    not an object or holding a non-finite number (``NaN`` / ``Infinity``: never data); a ``metrics.json`` whose
+    figures are out of their range (a rate outside [0, 1], a count that is not one) too: the run's numbers are then
+    recomputed from its ``samples.jsonl``."""
     if not path.exists():
         return None
     try:
-        obj = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_reject_constant)
+        obj = loads(path.read_bytes().decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as err:
         logger.warning("%s: unreadable JSON (%s); ignored", path, " ".join(str(err).split()))
         return None
     if not isinstance(obj, dict):
         logger.warning("%s: a JSON %s, not an object; ignored", path, type(obj).__name__)
+        return None
+    why = number_problem(obj, "key") if path.name == "metrics.json" else None
+    if why is None and path.name != "metrics.json":
+        why = None if first_nonfinite(obj) is None else f"holds {first_nonfinite(obj)}, not a finite number"
+    if why is not None:
+        logger.warning("%s: not what vase writes (%s); ignored", path, why)
         return None
     return obj
 
@@ -154,14 +160,14 @@ def not_a_run(run_dir: Path) -> str | None:
         if not path.is_file():
             continue
         try:
-            obj = json.loads(path.read_bytes().decode("utf-8"))
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            obj = loads(path.read_bytes().decode("utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
             continue
         if isinstance(obj, dict) and "policy" in obj and (name == "protocol.json" or {"task", "model"} <= set(obj)):
             return None
     try:
         config = _read_config(run_dir)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):
         config = {}
     if isinstance(config, dict) and isinstance(config.get("policy"), dict):
         return None
@@ -172,7 +178,13 @@ def _read_config(run_dir: Path) -> dict:
     path = run_dir / "config.yaml"
     if not path.exists():
         return {}
-    return yaml.safe_load(path.read_text()) or {}
+    try:
+        config = yaml.safe_load(path.read_text())
+    except RecursionError:  # PyYAML composes nested nodes recursively
+        raise ValueError(f"{path}: nested deeper than a config vase writes; restore it from a copy") from None
+    if config is not None and not isinstance(config, dict):
+        raise ValueError(f"{path}: a YAML {type(config).__name__}, not the mapping vase writes; restore it from a copy")
+    return config or {}
 
 
 def _get(d: dict | None, dotted: str, default: Any = None) -> Any:
@@ -223,6 +235,17 @@ def load_run(
     metrics = _read_json(run_dir / "metrics.json")
     # schema-checked; with the rank part files of a data-parallel run under way or killed
     sample_rows = read_samples(run_dir, for_metrics=True)
+    # a field a newer release added that only some lines carry (a resumed older run): missing for the whole run,
+    # never averaged over the lines that have it
+    partial = partial_fields(sample_rows)
+    if partial:
+        logger.warning(
+            "%s: %s absent from some samples (lines written by an older release): shown as missing for this run, "
+            "not averaged over the rest; rerun it into a new directory for them",
+            run_dir,
+            ", ".join(f"{k} ({n} of {len(sample_rows)})" for k, n in partial.items()),
+        )
+        sample_rows = [{k: v for k, v in r.items() if k not in partial} for r in sample_rows]
     throughput_rows = read_throughput(run_dir)
     if not throughput_rows and (run_dir / OLD_BATCHES).exists():
         logger.warning(
@@ -275,6 +298,7 @@ def load_run(
         "problems": int(samples["problem_id"].nunique()) if n else int(m.get("problems") or 0),
         "samples": n if n else int(m.get("samples") or 0),
         "machine": machine_name(_read_json(run_dir / "manifest.json")),
+        "fields_missing": ", ".join(sorted(partial)) or None,
     }
     run["identity"] = stable_hash({k: run[k] for k in _IDENTITY_KEYS})
     return run, samples, throughput, metrics
@@ -392,6 +416,10 @@ def load_tree(root: str | Path, *, with_output: bool = False, drop_duplicates: b
             continue
         try:
             run, s, t, m = load_run(run_dir, run_id=len(loaded), with_output=with_output)
+        except OldLayout as err:  # a run of an older release: the others are reported, this one named with its fix
+            logger.warning("skipping %s", err)
+            skipped.append((str(run_dir), str(err)))
+            continue
         except BadSample:
             raise  # a damaged sample line of a vase run: an error (one line naming it), never a run left out quietly
         except (ValueError, OSError, yaml.YAMLError) as err:

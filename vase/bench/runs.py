@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from vase.schema import check_sample
+from vase.schema import Unparseable, check_sample, loads
 
 
 def abba(items: list, rounds: int) -> list[tuple[int, object]]:
@@ -67,9 +67,18 @@ def last_line(log: Path) -> str:
 
 
 def _jsonl(path: Path) -> list[dict]:
+    """The lines of a JSONL file a benchmark's run wrote (:func:`vase.schema.loads`: bounded nesting); a line that is
+    not JSON vase writes is a one-line ``ValueError`` naming the file and the line."""
     if not path.exists():
         return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    rows = []
+    for i, x in enumerate(path.read_bytes().split(b"\n"), 1):
+        if x.strip():
+            try:
+                rows.append(loads(x))
+            except (Unparseable, json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise ValueError(f"{path}: line {i} is not a line vase writes ({' '.join(str(err).split())})") from None
+    return rows
 
 
 def read_run(results: Path) -> dict:
@@ -94,8 +103,8 @@ def read_run(results: Path) -> dict:
     manifest = run_dir / "manifest.json"
     return dict(
         run_dir=str(run_dir),
-        metrics=json.loads(found[0].read_text()),
-        manifest=json.loads(manifest.read_text()) if manifest.exists() else {},
+        metrics=loads(found[0].read_bytes()),
+        manifest=loads(manifest.read_bytes()) if manifest.exists() else {},
         tokens=sum(x["tokens"] for x in lines),
         prefills=sum(x["prefills"] for x in lines),
         prefill_s=sum(x["prefill_seconds"] for x in lines),

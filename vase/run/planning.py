@@ -36,6 +36,7 @@ from vase.run.protocol import check_authors_data, check_authors_source, comparab
 from vase.run.protocol import settings as protocol_settings
 from vase.run.results import PROTOCOL, check_protocol, check_resolved, read_json, read_samples, stable_hash
 from vase.run.rundir import check_run_dir
+from vase.run.validate import planned_for
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +298,8 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
     prep.data_copy = data_copy(prep.task)
     data = {"data": prep.task.resolved_sources(), "data_copy": prep.data_copy}
     check_resolved(run_dir, data, write=False)  # refuse a resume on changed data (read-only)
-    done_rows = read_samples(run_dir, for_metrics=True)  # samples.jsonl and the rank part files of a data-parallel run
+    # samples.jsonl and the rank part files of a data-parallel run, against the samples this run plans
+    done_rows = read_samples(run_dir, for_metrics=True, planned=planned_for(prep.task, problems, prep.n_samples))
     check_resumed_output_checks(cfg, prep.policy, run_dir, done_rows)
     done = {(r["problem_id"], r["sample"]) for r in done_rows}
     pending = [(p, [i for i in range(prep.n_samples) if (p.id, i) not in done]) for p in problems]

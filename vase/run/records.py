@@ -55,8 +55,22 @@ from vase.run.results import (
     read_throughput,
     write_json,
 )
+from vase.run.validate import missing_note, partial_fields
 
 NOT_DECODED = ("nonfinite", "prompt_too_long")
+#: a sample field that a newer release added -> the metrics read from it (None when only some lines carry the field)
+METRICS_OF_FIELD = {
+    "held_tokens_mean": ("held_tokens",),
+    "kv_retained_bytes_mean": ("kv_retained_bytes_mean",),
+    "kv_retained_bytes_peak": ("kv_retained_bytes_peak",),
+    "compression_ratio_full_layers": ("compression_ratio_full_layers",),
+    "kv_held_bytes_end_by_type": ("kv_held_bytes_mean_by_type",),
+    "attended_tokens": ("attended_tokens",),
+    "evictions": ("evictions",),
+    "eviction_seconds": ("eviction_seconds",),
+    "cut_by_limit": ("cut_by_limit_rate",),
+    "cut_in_thinking": ("cut_in_thinking_rate",),
+}
 THROUGHPUT_EVERY_S = 30.0  # a throughput.jsonl line at least this often while decoding
 PROGRESS_EVERY_S = 5.0  # the progress bar's tok/s and rows at most this often
 
@@ -300,6 +314,12 @@ def compute_metrics(
         for year in sorted({g for g in groups.values() if g is not None}):
             sub = [[r["correct"] for r in rs] for pid, rs in by_problem.items() if groups[pid] == year]
             metrics[f"accuracy/{year}"] = mean_pass_at_1(sub)
+    partial = partial_fields(samples)  # a field only a newer release's lines carry: never averaged over a subset
+    if partial:
+        for name in partial:
+            for key in METRICS_OF_FIELD.get(name, ()):
+                metrics[key] = None
+        metrics["fields_missing"] = missing_note(partial, n)
     return metrics
 
 

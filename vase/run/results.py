@@ -30,6 +30,9 @@ this process (of rank ``r`` only, when given) send itself SIGKILL (or ``SIG<sign
 (:func:`kill_point`). Events: ``submitted`` — a finished sample was handed to grading (in the background: its grade is
 being computed, its line not written; inline: before it is graded); ``written`` — a sample's line is durable in
 ``samples.jsonl`` or the rank's part file (:func:`write_sample`).
+
+Long module: the run directory's files, their one writer each and their readers (through the results validator,
+:mod:`vase.run.validate`), are one on-disk format.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from vase.schema import SAMPLE_FIELDS, BadSample, check_sample, first_nonfinite
+from vase.run.validate import Planned, check_rows, planned_of
+from vase.schema import SAMPLE_FIELDS, BadSample, Unparseable, check_sample, first_nonfinite, loads, number_problem
 
 __all__ = ["SAMPLE_FIELDS", "BadSample"]
 
@@ -74,7 +78,9 @@ def read_jsonl_tolerant(path: Path, repair: bool = False) -> list[dict]:
     """Rows of a JSONL file written by a run that may have been killed mid-line.
 
     A torn (unparseable) last line is ignored; with ``repair`` the file is truncated to its last complete line so
-    appends continue cleanly. A bad line elsewhere is an error (the file is corrupt, not torn).
+    appends continue cleanly. A bad line elsewhere is an error (the file is corrupt, not torn), and so is a line, the
+    last one too, that is JSON vase never writes (:func:`vase.schema.loads`: nested too deep, a number of thousands of
+    digits): a one-line ``ValueError`` naming the file and the line.
     """
     return [row for _, row in _numbered_rows(path, repair)]
 
@@ -90,7 +96,12 @@ def _numbered_rows(path: Path, repair: bool = False) -> list[tuple[int, Any]]:
         end = pos + len(line) + (1 if i < len(lines) - 1 else 0)
         if line.strip():
             try:
-                rows.append((i + 1, json.loads(line)))
+                rows.append((i + 1, loads(line)))
+            except Unparseable as err:  # never a torn write: refused wherever it is, like a field out of range
+                raise BadSample(
+                    f"{path}: line {i + 1} is not a line vase writes ({err}); fix or delete that line (every other "
+                    "line is kept), then rerun (nothing was counted or written)"
+                ) from None
             except (json.JSONDecodeError, UnicodeDecodeError):
                 if i < len(lines) - 1 and any(x.strip() for x in lines[i + 1 :]):
                     raise ValueError(
@@ -142,15 +153,24 @@ def sample_file(run_dir: Path, rank: int | None = None) -> Path:
 
 def _sample_rows(path: Path, repair: bool = False, for_metrics: bool = False) -> list[dict]:
     """The lines of one samples file (:func:`read_jsonl_tolerant`), each checked against the schema of
-    :mod:`vase.schema` (a line that is not a sample, a field of the wrong type, a NaN or an infinity: a one-line
-    :class:`BadSample` naming the file, the line and the field). Every line is checked before the file is repaired, so
-    a bad file is never touched."""
-    rows = _numbered_rows(path, repair=False)
-    for lineno, row in rows:
-        check_sample(row, path, lineno, for_metrics)
+    :mod:`vase.schema` (a line that is not a sample, a field of the wrong type or out of its range, a NaN or an
+    infinity: a one-line :class:`BadSample` naming the file, the line and the field). Every line is checked before the
+    file is repaired, so a bad file is never touched."""
+    located = _located_rows(path)
+    if for_metrics:
+        check_rows(located, Planned(), for_metrics=True)
     if repair:
         _numbered_rows(path, repair=True)
-    return [row for _, row in rows]
+    return [row for _, _, row in located]
+
+
+def _located_rows(path: Path) -> list[tuple[Path, int, dict]]:
+    """``(path, line number, row)`` of every line of one samples file, each a sample by :func:`check_sample`."""
+    located = []
+    for lineno, row in _numbered_rows(path, repair=False):
+        check_sample(row, path, lineno)
+        located.append((path, lineno, row))
+    return located
 
 
 def _sample_key(row: Mapping) -> tuple:
@@ -161,33 +181,54 @@ def _throughput_key(row: Mapping) -> tuple:
     return (row.get("rank"), row.get("time"))
 
 
-def read_samples(run_dir: Path, repair: bool = False, for_metrics: bool = False) -> list[dict]:
+def read_samples(
+    run_dir: Path, repair: bool = False, for_metrics: bool = False, planned: Planned | None = None
+) -> list[dict]:
     """Every sample of a run directory: ``samples.jsonl``, then the rank part files of a data-parallel run under way
-    or killed, each ``(problem_id, sample)`` once (the first line written wins); every line checked to be a sample
-    (one line naming the file and the line otherwise). ``repair`` cuts a torn last line off every file (a process
-    killed mid-write), so appends continue cleanly, once every file's lines passed the schema; ``for_metrics``: every
-    line must also carry the fields the metrics read (:data:`vase.schema.METRIC_FIELDS`)."""
+    or killed, through the results validator (:mod:`vase.run.validate`): every line a sample by the schema (a type
+    and a range for every field), each ``(problem_id, sample)`` once (the same line twice counts once; two different
+    lines for one sample, a sample beyond the run's ``n_samples`` or a problem outside ``planned``'s are refused), one
+    line naming the file and the line otherwise. ``planned``: the samples the run plans (default: ``n_samples`` from
+    the directory's ``protocol.json``). ``repair`` cuts a torn last line off every file (a process killed mid-write),
+    so appends continue cleanly, once every file's lines passed; ``for_metrics``: every line must also carry the
+    fields the metrics read (:data:`vase.schema.METRIC_FIELDS`; lines of an older release that lack them:
+    :class:`vase.run.validate.OldLayout`)."""
     if Path(run_dir).is_file():  # a samples file given for its directory would read as no samples at all
         raise ValueError(f"read_samples: {run_dir} is a file; give the run directory that holds it")
-    rows, seen = [], set()
     paths = [Path(run_dir) / SAMPLES, *part_files(run_dir, SAMPLES)]
+    located = [x for path in paths for x in _located_rows(path)]
+    rows = check_rows(located, planned_of(run_dir, planned, read_json), for_metrics)
     if repair:  # every file checked before any is repaired
         for path in paths:
-            _sample_rows(path, for_metrics=for_metrics)
-    for path in paths:
-        for r in _sample_rows(path, repair, for_metrics):
-            if _sample_key(r) not in seen:
-                seen.add(_sample_key(r))
-                rows.append(r)
+            _numbered_rows(path, repair=True)
+    return rows
+
+
+def read_throughput_file(path: Path, repair: bool = False) -> list[dict]:
+    """The lines of one ``throughput.jsonl`` (or a rank's part), each an object whose figures are finite and in range
+    (:func:`vase.schema.number_problem`: counts, seconds, bytes); a line that is not is a one-line ``ValueError``
+    naming the file and the line, raised before the file is repaired."""
+    rows = []
+    for lineno, row in _numbered_rows(path):
+        why = number_problem(row) if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object"
+        if why:
+            raise ValueError(
+                f"{path}: line {lineno}: {why}; fix or delete that line (every other line is kept), then rerun "
+                "(nothing was counted or written)"
+            )
+        rows.append(row)
+    if repair:
+        _numbered_rows(path, repair=True)
     return rows
 
 
 def read_throughput(run_dir: Path, repair: bool = False) -> list[dict]:
-    """Every ``throughput.jsonl`` line of a run directory, then the rank part files' lines not folded in yet."""
-    rows = read_jsonl_tolerant(Path(run_dir) / THROUGHPUT, repair=repair)
+    """Every ``throughput.jsonl`` line of a run directory, then the rank part files' lines not folded in yet (each
+    checked by :func:`read_throughput_file`)."""
+    rows = read_throughput_file(Path(run_dir) / THROUGHPUT, repair=repair)
     seen = {_throughput_key(r) for r in rows}
     for part in part_files(run_dir, THROUGHPUT):
-        rows += [r for r in read_jsonl_tolerant(part, repair=repair) if _throughput_key(r) not in seen]
+        rows += [r for r in read_throughput_file(part, repair=repair) if _throughput_key(r) not in seen]
     return rows
 
 
@@ -202,7 +243,7 @@ def fold_parts(run_dir: Path) -> int:
     added = 0
     readers: tuple[tuple[str, Callable[..., list[dict]], Callable], ...] = (
         (SAMPLES, _sample_rows, _sample_key),
-        (THROUGHPUT, read_jsonl_tolerant, _throughput_key),
+        (THROUGHPUT, read_throughput_file, _throughput_key),
     )
     for name, read, key in readers:
         parts = part_files(run_dir, name)
@@ -315,7 +356,7 @@ def read_json(path: Path) -> dict:
     """A JSON object this harness wrote, or a one-line ``ValueError`` naming the file when it is damaged (truncated,
     not UTF-8, edited into something else)."""
     try:
-        obj = json.loads(path.read_bytes().decode("utf-8"))
+        obj = loads(path.read_bytes().decode("utf-8"))
         if not isinstance(obj, dict):
             raise ValueError(f"a JSON {type(obj).__name__}, not an object")
         return obj

@@ -23,6 +23,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 from vase.run.results import LOCK, PROTOCOL, RANKS, RESOLVED, SAMPLES, THROUGHPUT
+from vase.schema import loads
 
 logger = logging.getLogger(__name__)
 
@@ -168,9 +169,9 @@ def _busy(run_dir: Path, fd: int) -> RunDirBusy:
     """The refusal naming the lock's holder (read from the lock file)."""
     holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
     try:
-        info = json.loads(holder)
+        info = loads(holder)  # nesting bounded: a damaged lock file names no holder, never a RecursionError
         who = f"pid {info.get('pid')} on {info.get('host')}, since {info.get('since')}"
-    except (json.JSONDecodeError, AttributeError):
+    except (ValueError, AttributeError):
         who = "another process"
     return RunDirBusy(
         f"run_dir {run_dir} is being written by another run ({who}); wait for it to finish (then rerun this command "

@@ -49,6 +49,7 @@ from vase.run.results import (
     write_json,
 )
 from vase.run.rundir import lock_run_dir
+from vase.run.validate import planned_for
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ def _take(p: RunPlan) -> RunPlan:
     by a kill mid-write, is cut off, in the rank part files too), then write the protocol, what was loaded and the
     config. Returns the plan with the samples done and the work as they are now."""
     prep, cfg, run_dir = p.prep, p.prep.cfg, p.prep.run_dir
-    done_rows = read_samples(run_dir, repair=True, for_metrics=True)
+    planned = planned_for(prep.task, p.problems, prep.n_samples)  # the samples the run plans: nothing else is counted
+    done_rows = read_samples(run_dir, repair=True, for_metrics=True, planned=planned)
     work = still_to_do(p, done_rows)
     logger.info(
         "run dir %s: %d problems, %d samples done, %d problems to decode",

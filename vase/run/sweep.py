@@ -39,6 +39,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from vase.schema import loads
+
 logger = logging.getLogger("vase")
 
 JOB_FILE = "vase_job.json"
@@ -225,8 +227,10 @@ def summarize(sweep_dir: Path) -> dict:
     for job_dir in sorted(job_dirs, key=lambda d: (len(d.parts), str(d))):
         path = job_dir / JOB_FILE
         try:
-            outcome = json.loads(path.read_text()) if path.is_file() else None
-        except (OSError, json.JSONDecodeError):
+            outcome = loads(path.read_bytes()) if path.is_file() else None  # nesting bounded (vase.schema.loads)
+        except (OSError, ValueError):  # damaged (JSON or not, too deep): the job's outcome is unknown
+            outcome = None
+        if outcome is not None and not isinstance(outcome, dict):
             outcome = None
         if outcome is None:
             overrides = _overrides(job_dir)
