@@ -390,7 +390,7 @@ def test_excerpt_names_command_machine_dtype_threads_and_fills_the_markers(tmp_p
     assert cpu == "AMD EPYC, AVX-512 with native bf16"
     block = excerpt_markdown(run, "OMP_NUM_THREADS=1 python run.py", cpu)
     assert block.startswith("`OMP_NUM_THREADS=1 python run.py` on a 2-core AMD EPYC, AVX-512 with native bf16, ")
-    assert "bfloat16, 1 thread:" in block and "5 min 12 s" in block and "accuracy  0.5" in block
+    assert "in bfloat16 with 1 thread; the run took 5 min 12 s:" in block and "accuracy  0.5" in block
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n{BEGIN}\nold\n{END}\n\nafter\n")
     update_readme(readme, block)

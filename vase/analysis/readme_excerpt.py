@@ -17,15 +17,12 @@ END = "<!-- readme-excerpt:end -->"
 #: the summary lines the README shows (``run.py``'s ``print_summary`` prints more)
 KEYS = (
     "task",
-    "model",
     "policy",
     "budget",
     "samples",
     "accuracy",
     "accuracy_stderr",
-    "loop_rate",
     "compression_ratio",
-    "rows_in_flight",
     "decode_tokens_per_second",
     "evictions",
 )
@@ -62,8 +59,9 @@ def _duration(seconds: float) -> str:
     return f"{m} min {s} s" if m else f"{s} s"
 
 
-def excerpt_markdown(run_dir: Path, command: str, cpu: str) -> str:
-    """The README block for the run in ``run_dir``, made by ``command`` on a CPU described by ``cpu``.
+def excerpt_markdown(run_dir: Path, command: str, cpu: str, note: str = "") -> str:
+    """The README block for the run in ``run_dir``, made by ``command`` on a CPU described by ``cpu`` (``note``: what
+    else the machine was doing, e.g. ``"other jobs running"``).
 
     Raises:
         ValueError: the run is incomplete or its files are missing.
@@ -80,8 +78,8 @@ def excerpt_markdown(run_dir: Path, command: str, cpu: str) -> str:
     threads = device.get("torch_threads", "?")
     where = f"{device.get('cpus', '?')}-core {cpu}" if manifest.get("attention", {}).get("device") == "cpu" else cpu
     head = (
-        f"`{command}` on a {where}, {dtype}, {threads} thread{'s' if threads != 1 else ''}: "
-        f"the run took {_duration(metrics['wall_seconds'])} (the install before it not counted)."
+        f"`{command}` on a {where}{f' ({note})' if note else ''}, in {dtype} with {threads} "
+        f"thread{'s' if threads != 1 else ''}; the run took {_duration(metrics['wall_seconds'])}:"
     )
     return "\n".join([head, "", "```text", *summary_lines(metrics), "```", ""])
 
