@@ -347,8 +347,39 @@ def test_every_command_composes_and_its_settings_pass(command, cli, tmp_path):
             pytest.fail(f"{command}\n  -> {err}")
 
 
+def needs(command: Command, cli) -> str | None:
+    """What a command needs that a test machine has not (``None``: nothing): GPUs for a ``torchrun`` line or a CUDA
+    device, the hub for a hub model or a hub task without ``task.data_dir``. Read from its composed cells."""
+    from vase.models import OFFLINE_MODELS
+    from vase.run.planning import prepare
+
+    if command.text.split()[0] == "torchrun":
+        return "GPUs (torchrun)"
+    args = _local(command.args, Path("/nonexistent-results"))
+    if cli.check_group_choices(args) or cli.check_overrides(args):
+        return None  # the compose test reports it
+    for _cell, cfg in cli._checked["composed"]:
+        prep = prepare(cfg)
+        name, device = prep.model_spec.name, str(prep.model_spec.device)
+        if not (name in OFFLINE_MODELS or name.startswith("tiny:") or (ROOT / name).is_dir()):
+            return f"the hub (model {name})"
+        if prep.task.data_dir is None and prep.task.hub_sources():
+            return f"the hub (task {prep.task.name} without task.data_dir)"
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                return "a GPU (model.device=cuda)"
+    return None
+
+
 @pytest.mark.parametrize("command", GUIDE_COMMANDS, ids=str)
 def test_every_guide_command_passes_the_preflight(command, cli, tmp_path):
+    """The whole preflight; a line that needs the hub or GPUs is skipped here with the reason (the compose test above
+    still composed and built it)."""
+    reason = needs(command, cli)
+    if reason:
+        pytest.skip(f"needs {reason}")
     args = _local(command.args, tmp_path / "results")
     error = cli.check_group_choices(args) or cli.check_overrides(args) or cli.check_runs(args)
     assert error is None, f"{command}\n  -> {error}"
@@ -413,3 +444,14 @@ def test_the_readme_carries_the_excerpt_markers():
 
     text = _text(README)
     assert text.count(BEGIN) == 1 and text.count(END) == 1 and text.index(BEGIN) < text.index(END)
+
+
+def test_needs_names_what_a_line_needs_beyond_this_machine(cli):
+    def cmd(text: str) -> Command:
+        return Command("x.md", 1, text, tuple(_run_args(text)), "check")
+
+    assert needs(cmd("torchrun --nproc-per-node 8 run.py"), cli) == "GPUs (torchrun)"
+    assert needs(cmd("python run.py model=qwen3_4b task=humaneval"), cli) == "the hub (model Qwen/Qwen3-4B)"
+    assert needs(cmd("python run.py task=aime"), cli) == "the hub (task aime without task.data_dir)"
+    assert needs(cmd("python run.py task=math500 task.data_dir=../shared/data limit=1"), cli) is None
+    assert needs(cmd("python run.py -m policy=full,snapkv"), cli) is None
