@@ -270,8 +270,16 @@ def test_command_reader_reads_blocks_spans_continuations_and_markers(tmp_path):
     ]
 
 
-ALL_COMMANDS = [c for p in [README, *DOCS] for c in commands(p) if c.mode != "refused"]
-GUIDE_COMMANDS = [c for p in GUIDES for c in commands(p) if c.mode == "check"]
+def _first_of_each(found: list[Command]) -> list[Command]:
+    """One command per argument list (the same line in two docs is checked once, under its first place)."""
+    seen: dict[tuple[str, ...], Command] = {}
+    for c in found:
+        seen.setdefault(c.args, c)
+    return list(seen.values())
+
+
+ALL_COMMANDS = _first_of_each([c for p in [README, *DOCS] for c in commands(p) if c.mode != "refused"])
+GUIDE_COMMANDS = _first_of_each([c for p in GUIDES for c in commands(p) if c.mode == "check"])
 REFUSED = [c for p in [README, *DOCS] for c in commands(p) if c.mode == "refused"]
 
 
