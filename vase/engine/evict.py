@@ -100,6 +100,7 @@ def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: in
         window_positions=positions[:, :, length - window : length],
         query_positions=query_positions,
         n_new_queries=n_new,
+        head_span=None if cache.geometry.heads is None else (cache.geometry.heads.offset, cache.geometry.heads.total),
     )
     keep = policy.keep(inputs)
     if cache.check_policy_output:
