@@ -257,6 +257,46 @@ def shard_tensor_parallel(model, mesh):
     return apply_tensor_parallelism(model, mesh, tp_plan)
 
 
+def weight_bytes(config, dtype: str | torch.dtype, tensor: int = 1) -> int:
+    """Bytes of the weights one rank holds, counted from ``config`` on the meta device (nothing is allocated): every
+    parameter at ``dtype``; under ``tensor`` ranks (transformers' ``tp_plan``), a parameter of a module the plan
+    splits counts ``1 / tensor``, the others (norms, routers, the experts of a MoE, which its plan leaves whole) in
+    full."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    itemsize = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    plan = dict(model.tp_plan or {}) if tensor > 1 else {}
+    split = [re.compile(re.escape(k).replace(r"\*", r"\d+")) for k, v in plan.items() if "replicated" not in v]
+    total = 0.0
+    for name, p in model.named_parameters():
+        module = name.rsplit(".", 1)[0]
+        total += p.numel() * itemsize / (tensor if any(rx.fullmatch(module) for rx in split) else 1)
+    return int(total)
+
+
+def kv_heads_split(config, tensor: int) -> bool:
+    """Whether transformers' plan for ``config`` splits the KV heads over ``tensor`` ranks (each rank's cache holds
+    ``1 / tensor`` of the full-attention K/V); ``False`` when it keeps every head on every rank (gpt-oss, OLMo 3)."""
+    from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
+
+    cfg = config.get_text_config()
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    if tensor == 1:
+        return False
+    plan = {f"model.{k}": v for k, v in (cfg.base_model_tp_plan or {}).items()}
+    per_rank = get_kv_heads_per_rank(plan, heads, tensor)
+    if per_rank is None:
+        raise ValueError(
+            f"parallel.tensor={tensor}: the model's {heads} KV heads do not split evenly; use a parallel.tensor that "
+            "divides them"
+        )
+    return per_rank != heads
+
+
 def load_model(
     name: str,
     dtype: str | torch.dtype = "bfloat16",
