@@ -336,7 +336,9 @@ def load_model(
         from transformers.distributed.configuration_utils import DistributedConfig
 
         split = DistributedConfig(tp_size=tensor_mesh.size(), tp_plan="auto")
-        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype, distributed_config=split)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, revision=revision, dtype=torch_dtype, distributed_config=split
+        )
     elif tensor_mesh is not None:
         model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype, device_map="cpu")
         model = shard_tensor_parallel(model, tensor_mesh).to(torch.device(device))

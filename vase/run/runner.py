@@ -57,6 +57,7 @@ def tensor_of(cfg: DictConfig) -> int:
     """``parallel.tensor`` of a config (1 when the config has no ``parallel`` node)."""
     return (cfg.get("parallel") or {}).get("tensor", 1)
 
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["plan", "prepare", "run"]
