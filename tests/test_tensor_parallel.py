@@ -126,6 +126,80 @@ def test_the_no_sync_and_the_compiled_step_under_tensor_parallelism(tmp_path, ex
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# engine checks on a split model: two spawned ranks (gloo), each holding 2 of the 4 KV heads
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, port: int, check: str, tmp: str, queue) -> None:
+    import os
+    import traceback
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from vase.models import shard_tensor_parallel, tiny_model
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = tiny_model("qwen3", num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=3)
+        model = shard_tensor_parallel(model, init_device_mesh("cpu", (2,)))
+        if check == "masking":
+            from tests.test_engine import check_eviction_equals_masking
+
+            check_eviction_equals_masking(model, "vase_dkv", Path(tmp) / f"r{rank}")
+        else:
+            from tests.test_gpu_path import load_policy, run_detected
+
+            with pytest.MonkeyPatch.context() as mp:
+                detector, steps, dec = run_detected(model, load_policy("vase_attnv", model), mp)
+            assert dec.geometry.num_kv_heads == 2 and dec.geometry.heads.offset == 2 * rank
+            assert detector.step_syncs() == {}, detector.step_syncs()
+            assert any(s["evicted"] for s in steps.values())
+        queue.put((rank, None))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()[-3000:]))
+    finally:
+        dist.destroy_process_group()
+
+
+def _on_two_ranks(check: str, tmp_path: Path) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    queue, port = ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, check, str(tmp_path), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert results == {0: None, 1: None}, results
+
+
+@pytest.mark.slow
+def test_eviction_equals_masking_on_each_ranks_heads(tmp_path):
+    """tests/test_engine.py's proof on a split model: each rank's logits (gathered over the ranks) equal the
+    unmodified split model's on the whole sequence with each rank's heads masked as its cache evicted them."""
+    _on_two_ranks("masking", tmp_path)
+
+
+@pytest.mark.slow
+def test_no_host_sync_in_a_decode_step_on_a_split_model(tmp_path):
+    """tests/test_gpu_path.py's detector on a split model: the engine adds no host sync to a decode step (the
+    model's own all-reduces are collectives, not host reads)."""
+    _on_two_ranks("no_sync", tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # the noise: keyed by the model's head index
 
 

@@ -423,7 +423,13 @@ def _check_plan(
     from vase.run.memory_plan import plan_memory, reserve_bytes
 
     gpu = getattr(device, "type", str(device)) == "cuda"
-    weights = weight_bytes(config, dtype, tensor)
+    try:
+        weights = weight_bytes(config, dtype, tensor)
+    except ValueError:
+        raise
+    except Exception as err:  # a config transformers cannot build on the meta device: the cache is still checked
+        logger.warning("memory plan: the weights of this config could not be counted (%s); not counted", err)
+        weights = 0
     setting = "generation.max_rows" if rows_reason == "generation.max_rows" else rows_reason
     plan_memory(weights, per_row, rows, free, reserve_bytes(free, gpu), tensor, setting)
 
