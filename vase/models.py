@@ -236,6 +236,13 @@ def convert_offline_model(name: str) -> Path:
     return target
 
 
+#: rules vase changes in a model's tensor-parallel plan: the token embedding stays whole on every rank (the plans'
+#: ``embedding_rowwise`` splits the vocabulary, and DTensor's masked lookup of the ids outside a rank's slice is an
+#: ``index_put_`` with a boolean mask: a host sync in every decode step, tests/test_tensor_parallel.py; the whole
+#: embedding costs vocab x hidden per rank, ~1.5 GB for Qwen3-14B in bf16)
+TP_PLAN_OVERRIDES = {"model.embed_tokens": "replicated_with_grad_allreduce"}
+
+
 def shard_tensor_parallel(model, mesh):
     """Split ``model`` (its whole weights in this process, the same on every rank of ``mesh``) over the ranks of the
     1-d device ``mesh`` by the model's own tensor-parallel plan (transformers' ``base_model_tp_plan``, as
@@ -252,7 +259,8 @@ def shard_tensor_parallel(model, mesh):
             "(base_model_tp_plan); run it with parallel.tensor=1"
         )
     model._mesh_manager = None  # read by apply_tensor_parallelism (expert meshes only), as maybe_distribute_model sets
-    tp_plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=mesh.size(), tp_plan="auto"))
+    split = DistributedConfig(tp_size=mesh.size(), tp_plan=dict(TP_PLAN_OVERRIDES))
+    tp_plan, _, _ = model._resolve_parallel_plans(split)
     model._tp_size = mesh.size()
     return apply_tensor_parallelism(model, mesh, tp_plan)
 
@@ -260,8 +268,8 @@ def shard_tensor_parallel(model, mesh):
 def weight_bytes(config, dtype: str | torch.dtype, tensor: int = 1) -> int:
     """Bytes of the weights one rank holds, counted from ``config`` on the meta device (nothing is allocated): every
     parameter at ``dtype``; under ``tensor`` ranks (transformers' ``tp_plan``), a parameter of a module the plan
-    splits counts ``1 / tensor``, the others (norms, routers, the experts of a MoE, which its plan leaves whole) in
-    full."""
+    splits counts ``1 / tensor``, the others (norms, routers, the token embedding: :data:`TP_PLAN_OVERRIDES`, the
+    experts of a MoE, which its plan leaves whole) in full."""
     import re
 
     from transformers import AutoModelForCausalLM
@@ -269,7 +277,7 @@ def weight_bytes(config, dtype: str | torch.dtype, tensor: int = 1) -> int:
     itemsize = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    plan = dict(model.tp_plan or {}) if tensor > 1 else {}
+    plan = {**(model.tp_plan or {}), **TP_PLAN_OVERRIDES} if tensor > 1 else {}
     split = [re.compile(re.escape(k).replace(r"\*", r"\d+")) for k, v in plan.items() if "replicated" not in v]
     total = 0.0
     for name, p in model.named_parameters():
@@ -335,7 +343,7 @@ def load_model(
     if tensor_mesh is not None and tensor_mesh.size() == _world_size():
         from transformers.distributed.configuration_utils import DistributedConfig
 
-        split = DistributedConfig(tp_size=tensor_mesh.size(), tp_plan="auto")
+        split = DistributedConfig(tp_size=tensor_mesh.size(), tp_plan=dict(TP_PLAN_OVERRIDES))
         model = AutoModelForCausalLM.from_pretrained(
             path, revision=revision, dtype=torch_dtype, distributed_config=split
         )
