@@ -54,25 +54,28 @@ def _dirs(root: Path) -> dict[str, Path]:
     return {d.name.split("-")[0]: d for d in root.glob("*/*/*") if (d / "metrics.json").exists()}
 
 
-def _assert_equal_runs(tp: Path, single: Path, tensor: int = 2, split: bool = True) -> None:
+def _assert_equal_runs(tp: Path, single: Path, tensor: int = 2, split: str = "half") -> None:
     """Samples equal (tokens' text, kept counts, evictions, every number but timings); metrics equal but timings and
-    each rank's own storage, which is ``1 / tensor`` of the single process's when the heads split."""
+    each rank's own storage: ``1 / tensor`` of the single process's when the heads split (``half``), less when some
+    state stays whole on each rank (``less``: a hybrid's linear state), the same when no head splits (``same``)."""
     assert _samples(tp) == _samples(single)
     a, b = _metrics(tp), _metrics(single)
     assert {k: v for k, v in a.items() if k not in TIMING | PER_RANK} == {
         k: v for k, v in b.items() if k not in TIMING | PER_RANK
     }
     mine, whole = (json.loads((d / "metrics.json").read_text())["kv_allocated_bytes_per_row"] for d in (tp, single))
-    assert mine * (tensor if split else 1) == whole  # each rank's own cache: 1 / tensor of the single process's
+    if split == "half":
+        assert mine * tensor == whole  # each rank's own cache: 1 / tensor of the single process's
+    else:
+        assert (mine < whole) if split == "less" else (mine == whole)
 
 
-def _compare(tmp_path: Path, policies: list[str], extra: list[str], ranks: int = 2, tensor: int = 2, **kw) -> None:
-    _run(["-m", f"policy={','.join(policies)}", *TP, *extra, f"results_dir={tmp_path / 'one'}"], 1)
-    r = _run(
-        ["-m", f"policy={','.join(policies)}", *TP, *extra, f"parallel.tensor={tensor}"]
-        + [f"results_dir={tmp_path / 'tp'}"],
-        ranks,
-    )
+def _compare(
+    tmp_path: Path, policies: list[str], extra: list[str], ranks: int = 2, tensor: int = 2, model: str = "tiny", **kw
+) -> None:
+    args = ["-m", f"policy={','.join(policies)}", f"model={model}", *TP[1:], *extra]
+    _run([*args, f"results_dir={tmp_path / 'one'}"], 1)
+    r = _run([*args, f"parallel.tensor={tensor}", f"results_dir={tmp_path / 'tp'}"], ranks)
     one, tp = _dirs(tmp_path / "one"), _dirs(tmp_path / "tp")
     assert sorted(one) == sorted(tp) == sorted(policies), r.stderr[-2000:]
     for name in one:
@@ -111,11 +114,14 @@ def test_four_ranks_as_two_data_by_two_tensor_equal_one_process(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model, split",
-    [("tiny_qwen3_5", True), ("tiny_olmo3", False)],  # hybrid (linear state whole on each rank); sliding (heads whole)
+    [
+        ("tiny_qwen3_5", "less"),  # hybrid: the full-attention heads split, the linear state whole on each rank
+        ("tiny_qwen3_next", "less"),  # hybrid and MoE: the experts split too (expert parallelism, all-reduced)
+        ("tiny_olmo3", "same"),  # sliding: its plan keeps every KV head on every rank
+    ],
 )
-def test_a_hybrid_and_a_sliding_family_under_tensor_parallelism(tmp_path, model, split):
-    extra = [f"model={model}", "model.tiny.num_key_value_heads=4", "model.tiny.num_attention_heads=8"]
-    _compare(tmp_path, ["vase_dkv"], [a.replace("model.tiny.", "+model.tiny.") for a in extra], split=split)
+def test_a_hybrid_a_moe_and_a_sliding_family_under_tensor_parallelism(tmp_path, model, split):
+    _compare(tmp_path, ["vase_dkv"], [], split=split, model=model)
 
 
 @needs_torchrun

@@ -250,7 +250,7 @@ def shard_tensor_parallel(model, mesh):
     reduces across the ranks. Used where ``from_pretrained(tp_plan=...)`` cannot be (a tiny random model; a data x
     tensor launch, whose tensor groups are sub-groups of the world). One-line ``ValueError`` for a model without a
     plan. Returns the model."""
-    from transformers.distributed.configuration_utils import DistributedConfig
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     if not model.config.get_text_config().base_model_tp_plan:
@@ -259,17 +259,39 @@ def shard_tensor_parallel(model, mesh):
             "(base_model_tp_plan); run it with parallel.tensor=1"
         )
     model._mesh_manager = None  # read by apply_tensor_parallelism (expert meshes only), as maybe_distribute_model sets
-    split = DistributedConfig(tp_size=mesh.size(), tp_plan=dict(TP_PLAN_OVERRIDES))
-    tp_plan, _, _ = model._resolve_parallel_plans(split)
+    tp_plan, ep_plan, _ = model._resolve_parallel_plans(tensor_config(model.config, mesh.size()))
     model._tp_size = mesh.size()
-    return apply_tensor_parallelism(model, mesh, tp_plan)
+    model = apply_tensor_parallelism(model, mesh, tp_plan)
+    if ep_plan:  # the experts over the same ranks, each on the whole batch, outputs all-reduced (AllReduceEP)
+        model = apply_expert_parallelism(model, mesh, mesh, ep_plan, ep_implementation="all_reduce")
+    return model
+
+
+def tensor_config(config, tensor: int):
+    """transformers' ``DistributedConfig`` of ``parallel.tensor=tensor``: the model's tensor-parallel plan with
+    :data:`TP_PLAN_OVERRIDES`, and, for a mixture of experts with an expert plan, its experts split over the same
+    ranks (``ep_size = tensor``, ``ep_implementation="all_reduce"``: every rank runs its experts on the whole batch
+    and the outputs are summed, no token exchange). One-line ``ValueError`` when the experts do not divide."""
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    cfg = config.get_text_config()
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    ep = tensor if experts and getattr(cfg, "base_model_ep_plan", None) else None
+    if ep and experts % tensor:
+        raise ValueError(
+            f"parallel.tensor={tensor}: the model's {experts} experts do not split evenly over the ranks; use a "
+            "parallel.tensor that divides them"
+        )
+    return DistributedConfig(
+        tp_size=tensor, tp_plan=dict(TP_PLAN_OVERRIDES), ep_size=ep, ep_implementation="all_reduce"
+    )
 
 
 def weight_bytes(config, dtype: str | torch.dtype, tensor: int = 1) -> int:
     """Bytes of the weights one rank holds, counted from ``config`` on the meta device (nothing is allocated): every
     parameter at ``dtype``; under ``tensor`` ranks (transformers' ``tp_plan``), a parameter of a module the plan
-    splits counts ``1 / tensor``, the others (norms, routers, the token embedding: :data:`TP_PLAN_OVERRIDES`, the
-    experts of a MoE, which its plan leaves whole) in full."""
+    or its expert plan splits (the experts of a MoE: :func:`tensor_config`) counts ``1 / tensor``, the others (norms,
+    routers, the token embedding: :data:`TP_PLAN_OVERRIDES`) in full."""
     import re
 
     from transformers import AutoModelForCausalLM
@@ -277,7 +299,7 @@ def weight_bytes(config, dtype: str | torch.dtype, tensor: int = 1) -> int:
     itemsize = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    plan = {**(model.tp_plan or {}), **TP_PLAN_OVERRIDES} if tensor > 1 else {}
+    plan = {**(model.tp_plan or {}), **TP_PLAN_OVERRIDES, **(model.ep_plan or {})} if tensor > 1 else {}
     split = [re.compile(re.escape(k).replace(r"\*", r"\d+")) for k, v in plan.items() if "replicated" not in v]
     total = 0.0
     for name, p in model.named_parameters():
@@ -341,9 +363,7 @@ def load_model(
         ) from None
     check_architecture(config)
     if tensor_mesh is not None and tensor_mesh.size() == _world_size():
-        from transformers.distributed.configuration_utils import DistributedConfig
-
-        split = DistributedConfig(tp_size=tensor_mesh.size(), tp_plan=dict(TP_PLAN_OVERRIDES))
+        split = tensor_config(config, tensor_mesh.size())
         model = AutoModelForCausalLM.from_pretrained(
             path, revision=revision, dtype=torch_dtype, distributed_config=split
         )
