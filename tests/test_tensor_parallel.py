@@ -296,3 +296,21 @@ def test_the_preflight_counts_the_weights_per_rank_before_anything_loads():
     with pytest.raises(ValueError, match="memory plan: the weights alone"):
         check_memory(config, Policy(), free=whole - 1, **kw)
     check_memory(config, Policy(), free=half + 10**6, tensor=2, **kw)
+
+
+def test_a_policy_with_per_head_parameters_is_refused_before_anything_loads():
+    from baselines.triattention import TriAttention
+    from vase.engine.policy import Policy
+    from vase.models import tiny_config
+    from vase.run.preflight import check_tensor
+
+    config = tiny_config("qwen3", num_key_value_heads=4, num_attention_heads=8)
+    with pytest.raises(ValueError, match=r"policy triattention: not supported under parallel.tensor=2") as err:
+        check_tensor(TriAttention(budget=64, window=16), config, 2)
+    assert "\n" not in str(err.value) and "parallel.tensor=1" in str(err.value)
+    check_tensor(TriAttention(budget=64, window=16), config, 1)
+    check_tensor(Policy(), config, 2)
+    with pytest.raises(ValueError, match="KV heads do not split evenly"):
+        check_tensor(Policy(), config, 8)
+    with pytest.raises(ValueError, match="experts do not split evenly"):
+        check_tensor(Policy(), tiny_config("qwen3_moe", num_key_value_heads=4, num_attention_heads=8), 8)

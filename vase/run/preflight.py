@@ -434,6 +434,22 @@ def _check_plan(
     plan_memory(weights, per_row, rows, free, reserve_bytes(free, gpu), tensor, setting)
 
 
+def check_tensor(policy: Any, config: Any, tensor: int) -> None:
+    """``parallel.tensor`` against the model and the policy, before anything loads: the KV heads (and a MoE's
+    experts) must split evenly, and a policy that cannot run on a slice of the heads (``Policy.head_parallel``) is
+    refused when they split. One-line ``ValueError``."""
+    if tensor == 1:
+        return
+    from vase.models import kv_heads_split, tensor_config
+
+    tensor_config(config, tensor)  # the experts divide
+    if kv_heads_split(config, tensor) and policy.head_parallel is not None:
+        raise ValueError(
+            f"policy {policy.name}: not supported under parallel.tensor={tensor} ({policy.head_parallel}); run it "
+            "with parallel.tensor=1"
+        )
+
+
 def check_cache(
     prep: Any, spec: Any, work: list[tuple[list[int], list[int]]], config: Any, length_setting: str, machine: bool
 ) -> None:
@@ -454,6 +470,8 @@ def check_cache(
 
         on_cpu = device.type != "cuda" and prep.kv_memory is None
         rows, reason, kv_memory = (AUTO_CPU_ROWS if on_cpu else 1), "auto", prep.kv_memory
+    tensor = int((prep.cfg.get("parallel") or {}).get("tensor", 1))
+    check_tensor(prep.policy, config, tensor)
     check_memory(
         config,
         prep.policy,
@@ -465,7 +483,7 @@ def check_cache(
         kv_memory=kv_memory,
         length_setting=length_setting,
         machine=machine,
-        tensor=int((prep.cfg.get("parallel") or {}).get("tensor", 1)),
+        tensor=tensor,
     )
 
 
