@@ -431,7 +431,17 @@ def _check_plan(
         logger.warning("memory plan: the weights of this config could not be counted (%s); not counted", err)
         weights = 0
     setting = "generation.max_rows" if rows_reason == "generation.max_rows" else rows_reason
-    plan_memory(weights, per_row, rows, free, reserve_bytes(free, gpu), tensor, setting)
+    plan = plan_memory(weights, per_row, rows, free, reserve_bytes(free, gpu), tensor, setting)
+    logger.info(
+        "memory plan per rank: %s of weights + %d rows x %s + %s reserve = %s of %s free (parallel.tensor=%d)",
+        _gib(weights),
+        rows,
+        _gib(per_row),
+        _gib(plan.reserve),
+        _gib(plan.total),
+        _gib(free),
+        tensor,
+    )
 
 
 def check_tensor(policy: Any, config: Any, tensor: int) -> None:
