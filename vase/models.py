@@ -264,6 +264,21 @@ def shard_tensor_parallel(model, mesh):
     model = apply_tensor_parallelism(model, mesh, tp_plan)
     if ep_plan:  # the experts over the same ranks, each on the whole batch, outputs all-reduced (AllReduceEP)
         model = apply_expert_parallelism(model, mesh, mesh, ep_plan, ep_implementation="all_reduce")
+    return local_parameters(model, mesh)
+
+
+def local_parameters(model, mesh):
+    """Each parameter of a split ``model`` as this rank's plain slice (a view of the ``DTensor``'s local tensor):
+    the plans' inference forwards compute on local tensors anyway and reduce through their hooks, and the compiled
+    decode step cannot take tensor-subclass parameters beside the cache it writes in place. Records ``mesh`` as
+    ``model.vase_tensor_mesh`` (what :func:`vase.engine.geometry.head_shard` reads). Returns the model."""
+    from torch.distributed.tensor import DTensor
+
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if isinstance(param, DTensor):
+                module._parameters[name] = torch.nn.Parameter(param.to_local(), requires_grad=False)
+    model.vase_tensor_mesh = mesh
     return model
 
 
@@ -367,6 +382,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             path, revision=revision, dtype=torch_dtype, distributed_config=split
         )
+        model = local_parameters(model, tensor_mesh)
     elif tensor_mesh is not None:
         model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype, device_map="cpu")
         model = shard_tensor_parallel(model, tensor_mesh).to(torch.device(device))

@@ -53,20 +53,16 @@ class HeadShard:
 
 
 def head_shard(model) -> HeadShard | None:
-    """Which KV heads this rank holds when transformers' tensor parallelism (``tp_plan``) split the attention:
-    read from the first full-attention layer's ``k_proj`` (a ``DTensor`` sharded on its output features: ``count``
-    local heads, from ``count x`` the rank's coordinate on the mesh). ``None`` without tensor parallelism, or when
-    the plan keeps every head on every rank (a gathered or replicated ``k_proj``: gpt-oss, OLMo 3)."""
-    from torch.distributed.tensor import DTensor
+    """Which KV heads this rank holds when transformers' tensor-parallel plan split the model over the ranks of
+    ``model.vase_tensor_mesh`` (:func:`vase.models.shard_tensor_parallel`): ``count`` heads from ``count x`` the
+    rank's coordinate. ``None`` without tensor parallelism, or when the plan keeps every head on every rank (a
+    gathered or replicated ``k_proj``: gpt-oss, OLMo 3)."""
     from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
 
-    cfg = text_config(model.config)
-    types, _ = config_layer_types(cfg)
-    attn = model.get_decoder().layers[types.index("full_attention")].self_attn
-    weight = getattr(getattr(attn, "k_proj", None), "weight", None)
-    if not isinstance(weight, DTensor):
+    mesh = getattr(model, "vase_tensor_mesh", None)
+    if mesh is None or mesh.size() == 1:
         return None
-    mesh = weight.device_mesh
+    cfg = text_config(model.config)
     total = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     count = get_kv_heads_per_rank(dict(model.tp_plan), total, mesh.size())
     if count == total:  # the plan gathers the projection's output (or keeps it whole): every head on every rank
