@@ -8,7 +8,10 @@ The ranks come from the environment: ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` 
 ``SLURM_STEP_NUM_TASKS`` / ``SLURM_LOCALID`` (a job step of ``srun``, e.g. ``hydra/launcher=slurm`` with
 ``hydra.launcher.tasks_per_node=8``; ``MASTER_ADDR`` / ``MASTER_PORT`` are then derived from the step's first node and
 the job id). torch.distributed does the rest (a gloo process group: only small Python objects travel, never
-tensors, so no NCCL). One process is :class:`World` of size 1 and runs exactly the single-process code.
+tensors, so no NCCL). One process is :class:`World` of size 1 and runs exactly the single-process code. With
+``parallel.tensor=N`` (docs/scaling.md) consecutive groups of N ranks share one model: the tensors of its forward
+travel inside each group (:meth:`World.tensor_mesh`: NCCL on GPUs, gloo on the CPU), the work is dealt per group
+and only each group's first rank writes.
 
 Long module: the launch environment, the bounded rendezvous, the ranks' collectives and the device choice are one
 protocol (each step's failure must reach every rank as one line), read together.
