@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from vase.engine.geometry import config_geometry  # noqa: E402
-from vase.models import cache_dir, kv_heads_split, weight_bytes  # noqa: E402
+from vase.models import cache_dir  # noqa: E402
+from vase.parallel import kv_heads_split, weight_bytes  # noqa: E402
 from vase.run.memory_plan import GIB, reserve_bytes  # noqa: E402
 
 #: usable memory of one GPU (bytes): H200 141 GB of HBM3e as the driver reports it, H100 80 GB
@@ -46,7 +47,7 @@ def row_bytes(config, ratio: int, tensor: int) -> int:
 
 def fits(config, device: int, ratio: int, tensor: int = 1) -> int:
     """Rows that fit one rank of ``device`` bytes beside its weights and the reserve."""
-    room = device - weight_bytes(config, "bfloat16", tensor) - reserve_bytes(device)
+    room = device - weight_bytes(config, torch.bfloat16, tensor) - reserve_bytes(device)
     return max(0, room // row_bytes(config, ratio, tensor))
 
 
@@ -77,7 +78,7 @@ def table() -> str:
         for dev in DEVICES.values():
             t = next((t for t in (1, 2, 4, 8) if _divides(config, t) and fits(config, dev, 1, t) >= ROWS), None)
             need.append(str(t) if t else "> 8")
-        weights = weight_bytes(config, "bfloat16") / 1e9
+        weights = weight_bytes(config, torch.bfloat16) / 1e9
         lines.append(
             f"| {path.stem} | {weights:.1f} GB | {g.bytes_per_token:,} | {cells[0]} | {cells[1]} | {' / '.join(need)} |"
         )

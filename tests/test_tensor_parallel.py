@@ -151,7 +151,8 @@ def _rank_main(rank: int, port: int, check: str, tmp: str, queue) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from vase.models import shard_tensor_parallel, tiny_model
+    from vase.models import tiny_model
+    from vase.parallel import shard_tensor_parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -276,11 +277,12 @@ def test_an_explicit_max_rows_that_fits_only_without_the_weights_is_refused():
 
 def test_the_preflight_counts_the_weights_per_rank_before_anything_loads():
     from vase.engine.policy import Policy
-    from vase.models import tiny_config, weight_bytes
+    from vase.models import tiny_config
+    from vase.parallel import weight_bytes
     from vase.run.preflight import check_memory
 
     config = tiny_config("qwen3", num_key_value_heads=4, num_attention_heads=8)
-    whole, half = weight_bytes(config, "float32"), weight_bytes(config, "float32", tensor=2)
+    whole, half = weight_bytes(config, torch.float32), weight_bytes(config, torch.float32, tensor=2)
     assert whole / 2 < half < whole  # the norms stay whole on each rank
     kw = dict(
         dtype="float32",

@@ -54,7 +54,7 @@ class HeadShard:
 
 def head_shard(model) -> HeadShard | None:
     """Which KV heads this rank holds when transformers' tensor-parallel plan split the model over the ranks of
-    ``model.vase_tensor_mesh`` (:func:`vase.models.shard_tensor_parallel`): ``count`` heads from ``count x`` the
+    ``model.vase_tensor_mesh`` (:func:`vase.parallel.shard_tensor_parallel`): ``count`` heads from ``count x`` the
     rank's coordinate. ``None`` without tensor parallelism, or when the plan keeps every head on every rank (a
     gathered or replicated ``k_proj``: gpt-oss, OLMo 3)."""
     from transformers.distributed.tensor_parallel import get_kv_heads_per_rank

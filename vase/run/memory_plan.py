@@ -1,7 +1,7 @@
 """The memory plan of a run: weights + cache + linear / sliding state + a workspace reserve against one device.
 
 Pure arithmetic on numbers the preflight measures before anything loads (:func:`vase.run.preflight.check_memory`):
-the weights per rank (:func:`vase.models.weight_bytes`, counted from the config on the meta device; under tensor
+the weights per rank (:func:`vase.parallel.weight_bytes`, counted from the config on the meta device; under tensor
 parallelism a rank holds its slice of the split parameters and the whole of the replicated ones), one row's cache
 (every layer type: full-attention K/V and positions, the sliding layers' ring, a hybrid model's linear-attention
 state; :func:`vase.engine.memory.row_bytes`), the rows in flight and the device's free memory. A plan that cannot fit

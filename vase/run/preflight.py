@@ -383,7 +383,7 @@ def check_memory(
     if tensor > 1:  # a rank's slice of the KV heads (a hybrid model's linear state stays whole on every rank)
         from dataclasses import replace
 
-        from vase.models import kv_heads_split
+        from vase.parallel import kv_heads_split
 
         if kv_heads_split(config, tensor):
             kv, q = geometry.num_kv_heads // tensor, geometry.num_q_heads // tensor
@@ -419,12 +419,13 @@ def _check_plan(
 ) -> None:
     """Weights (per rank) + ``rows`` x ``per_row`` + the workspace reserve against ``free``
     (:func:`vase.run.memory_plan.plan_memory`), before anything loads."""
-    from vase.models import weight_bytes
+    from vase.models import resolve_dtype
+    from vase.parallel import weight_bytes
     from vase.run.memory_plan import plan_memory, reserve_bytes
 
     gpu = getattr(device, "type", str(device)) == "cuda"
     try:
-        weights = weight_bytes(config, dtype, tensor)
+        weights = weight_bytes(config, resolve_dtype(dtype), tensor)
     except ValueError:
         raise
     except Exception as err:  # a config transformers cannot build on the meta device: the cache is still checked
@@ -450,7 +451,7 @@ def check_tensor(policy: Any, config: Any, tensor: int) -> None:
     refused when they split. One-line ``ValueError``."""
     if tensor == 1:
         return
-    from vase.models import kv_heads_split, tensor_config
+    from vase.parallel import kv_heads_split, tensor_config
 
     tensor_config(config, tensor)  # the experts divide
     if kv_heads_split(config, tensor) and policy.head_parallel is not None:
