@@ -437,7 +437,7 @@ class Decoder:
         g = self.geometry
         attended = st.pop("attended_tokens_sum")
         if attended is not None and g.heads is not None:  # this rank's query heads: the group's sum over all of them
-            attended = _sum_over(g.heads.group, attended)
+            attended = _sum_over(g.heads.group, attended, self.device)
         if attended is not None:
             heads = g.whole().num_q_heads
             attended = attended / (row.steps * heads * len(g.full_layers)) if row.steps else None
@@ -465,11 +465,12 @@ class Decoder:
         return Finished(row.key, row.sample, row.seed, row.tokens, reason, row.prompt_len, stats)
 
 
-def _sum_over(group, value: float) -> float:
-    """``value`` summed over the ranks of a tensor-parallel ``group`` (each holds some heads): one collective."""
+def _sum_over(group, value: float, device: torch.device) -> float:
+    """``value`` summed over the ranks of a tensor-parallel ``group`` (each holds some heads): one collective, on
+    ``device`` (the group's backend: NCCL for CUDA devices)."""
     import torch.distributed as dist
 
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, group=group)
     return float(t.item())
 
