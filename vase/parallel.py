@@ -46,7 +46,9 @@ def shard_tensor_parallel(model, mesh):
 def local_parameters(model, mesh):
     """Each parameter of a split ``model`` as this rank's plain slice (a view of the ``DTensor``'s local tensor):
     the plans' inference forwards compute on local tensors anyway and reduce through their hooks, and the compiled
-    decode step cannot take tensor-subclass parameters beside the cache it writes in place. Records ``mesh`` as
+    decode step cannot take tensor-subclass parameters beside the cache it writes in place. Inference only: a
+    forward with gradients enabled takes the plans' ``DTensor`` path, which needs ``DTensor`` parameters. Records
+    ``mesh`` as
     ``model.vase_tensor_mesh`` (what :func:`vase.engine.geometry.head_shard` reads). Returns the model."""
     from torch.distributed.tensor import DTensor
 
