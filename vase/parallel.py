@@ -48,8 +48,7 @@ def local_parameters(model, mesh):
     the plans' inference forwards compute on local tensors anyway and reduce through their hooks, and the compiled
     decode step cannot take tensor-subclass parameters beside the cache it writes in place. Inference only: a
     forward with gradients enabled takes the plans' ``DTensor`` path, which needs ``DTensor`` parameters. Records
-    ``mesh`` as
-    ``model.vase_tensor_mesh`` (what :func:`vase.engine.geometry.head_shard` reads). Returns the model."""
+    ``mesh`` as ``model.vase_tensor_mesh`` (what :func:`vase.engine.geometry.head_shard` reads). Returns the model."""
     from torch.distributed.tensor import DTensor
 
     for module in model.modules():
