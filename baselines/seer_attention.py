@@ -146,6 +146,7 @@ class SeerAttentionR(SelectionPolicy):
     decode_block_position: str = "last"
 
     name: ClassVar[str] = "seer_attention_r"
+    head_parallel: ClassVar[str | None] = "its gates are per query head of the whole model"
     needs_queries: ClassVar[bool] = False
 
     def __post_init__(self) -> None:

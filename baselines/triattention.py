@@ -210,6 +210,7 @@ class TriAttention(EvictionPolicy):
     calibration_tokens: int = 32768
 
     name: ClassVar[str] = "triattention"
+    head_parallel: ClassVar[str | None] = "its calibrated Q centres are per query head of the whole model"
     display_name: ClassVar[str] = "TriAttention"
 
     def validate(self) -> None:

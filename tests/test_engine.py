@@ -136,7 +136,7 @@ def check_eviction_equals_masking(model, name, tmp_path, tol: float = 2e-5):
     p = prompt.numel()
     total = p + new - 1  # the last sampled token is never fed
     seq = torch.stack([torch.cat([prompt, torch.tensor(t[: new - 1])]) for t in out.tokens])  # (rows, total)
-    heads = model.config.num_key_value_heads
+    heads = cache.geometry.num_kv_heads  # this rank's under tensor parallelism (tests/test_tensor_parallel.py)
     for layer, vase_layer in enumerate(cache.attention_layers):
         model_idx = vase_layer.layer_idx
         window = vase_layer.window  # a sliding layer's: query i sees (i - window, i] of what its ring holds
@@ -160,7 +160,8 @@ def check_eviction_equals_masking(model, name, tmp_path, tol: float = 2e-5):
     previous = ref_model.config._attn_implementation
     ref_model.set_attn_implementation("vase_test_masked")
     try:
-        ref = ref_model(input_ids=seq, position_ids=torch.arange(total).view(1, -1)).logits
+        with torch.no_grad():  # as the engine decodes (a split model's plain slices run inference only)
+            ref = ref_model(input_ids=seq, position_ids=torch.arange(total).view(1, -1)).logits
     finally:
         ref_model.set_attn_implementation(previous)
     evicted_something = False

@@ -156,6 +156,11 @@ class Decoder:
         self.on_step, self.on_logits = on_step, on_logits
         self.row_id = row_id or (lambda key, sample: (key, sample))
         self.geometry = model_geometry(model, rows, capacity)
+        if self.geometry.heads is not None and policy.head_parallel is not None:
+            raise ValueError(
+                f"policy {policy.name}: not supported under parallel.tensor={self.geometry.heads.ranks} "
+                f"({policy.head_parallel}); run it with parallel.tensor=1"
+            )
         head_dim = self.geometry.head_dim
         self.cache = VaseCache(
             self.geometry,
@@ -431,8 +436,11 @@ class Decoder:
         st = cache.row_stats(slot)
         g = self.geometry
         attended = st.pop("attended_tokens_sum")
+        if attended is not None and g.heads is not None:  # this rank's query heads: the group's sum over all of them
+            attended = _sum_over(g.heads.group, attended, self.device)
         if attended is not None:
-            attended = attended / (row.steps * g.num_q_heads * len(g.full_layers)) if row.steps else None
+            heads = g.whole().num_q_heads
+            attended = attended / (row.steps * heads * len(g.full_layers)) if row.steps else None
         stats = {
             "decode_steps": row.steps,
             "evictions": st["evictions"],
@@ -455,6 +463,16 @@ class Decoder:
         self.stats.samples += 1
         self.stats.tokens += len(row.tokens)
         return Finished(row.key, row.sample, row.seed, row.tokens, reason, row.prompt_len, stats)
+
+
+def _sum_over(group, value: float, device: torch.device) -> float:
+    """``value`` summed over the ranks of a tensor-parallel ``group`` (each holds some heads): one collective, on
+    ``device`` (the group's backend: NCCL for CUDA devices)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return float(t.item())
 
 
 def _hits_stop(tokenizer, tokens: list[int], stop_strings: Sequence[str], max_stop: int) -> bool:

@@ -100,6 +100,7 @@ def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: in
         window_positions=positions[:, :, length - window : length],
         query_positions=query_positions,
         n_new_queries=n_new,
+        head_span=None if cache.geometry.heads is None else (cache.geometry.heads.offset, cache.geometry.heads.total),
     )
     keep = policy.keep(inputs)
     if cache.check_policy_output:
@@ -130,9 +131,22 @@ def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: in
     if cache.on_evict is not None:  # per layer, as the analyses expect; the kept positions, now in slots dst
         kept_p = st.positions.view(-1).index_select(0, dst).view(n, n_layers, heads, budget - pinned)[..., :n_keep]
         per_layer = keep.view(n, n_layers, heads, n_keep)
+        shard = cache.geometry.heads
+        if shard is not None:  # tensor parallelism: every head of the model, as one process records (one collective)
+            kept_p, per_layer = (gather_heads(t, shard.group, shard.ranks) for t in (kept_p, per_layer))
         row_ids = [cache.row_ids[r] for r in slots]
         for li, layer in enumerate(cache.evicting_layers):
             cache.on_evict(layer, row_ids, per_layer[:, li], kept_p[:, li])
+
+
+def gather_heads(t: torch.Tensor, group: Any, ranks: int) -> torch.Tensor:
+    """``(n, L, H, K)`` of this rank's heads → ``(n, L, ranks * H, K)`` of the model's every head (ranks in head
+    order): one all-gather over the tensor-parallel ``group``."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(ranks)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=2)
 
 
 def _credit(cache: Any, slots: list[int], seconds: float) -> None:

@@ -15,7 +15,7 @@ model (Qwen3.5, Qwen3-Next) a fixed conv and recurrent state per row (``CacheGeo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,6 +35,46 @@ class LayerCounters:
     held: int = 0
 
 
+@dataclass(frozen=True)
+class HeadShard:
+    """The KV heads one rank of a tensor-parallel group holds: ``count`` heads from the model's head ``offset``, of
+    ``total``; ``group`` is the process group of the ``ranks`` ranks that hold the others (for the one collective an
+    eviction event or a sample's statistics need), ``None`` when the heads are not sharded."""
+
+    offset: int
+    count: int
+    total: int
+    ranks: int = 1
+    group: object = None
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.offset and 0 < self.count and self.offset + self.count <= self.total):
+            raise ValueError(f"HeadShard: heads [{self.offset}, {self.offset + self.count}) of {self.total}")
+
+
+def head_shard(model) -> HeadShard | None:
+    """Which KV heads this rank holds when transformers' tensor-parallel plan split the model over the ranks of
+    ``model.vase_tensor_mesh`` (:func:`vase.parallel.shard_tensor_parallel`): ``count`` heads from ``count x`` the
+    rank's coordinate. ``None`` without tensor parallelism, or when the plan keeps every head on every rank (a
+    gathered or replicated ``k_proj``: gpt-oss, OLMo 3)."""
+    from transformers.distributed.tensor_parallel import get_kv_heads_per_rank
+
+    mesh = getattr(model, "vase_tensor_mesh", None)
+    if mesh is None or mesh.size() == 1:
+        return None
+    cfg = text_config(model.config)
+    total = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    count = get_kv_heads_per_rank(dict(model.tp_plan), total, mesh.size())
+    if count == total:  # the plan gathers the projection's output (or keeps it whole): every head on every rank
+        return None
+    if count is None:
+        raise ValueError(
+            f"parallel.tensor={mesh.size()}: the model's {total} KV heads do not split evenly over the ranks; use a "
+            "parallel.tensor that divides the KV heads"
+        )
+    return HeadShard(mesh.get_local_rank() * count, count, total, mesh.size(), mesh.get_group())
+
+
 @dataclass
 class CacheGeometry:
     """Static shape of a cache.
@@ -50,6 +90,8 @@ class CacheGeometry:
         sliding_window: the sliding layers' window (their ring's slots), ``None`` without sliding layers.
         linear: a hybrid model's linear-attention layers (:class:`~vase.engine.linear_state.LinearShape`: a fixed
             state per row, no K and V), ``None`` without any.
+        heads: under tensor parallelism (``parallel.tensor``), which slice of the model's KV heads this rank holds
+            (:class:`HeadShard`; ``num_kv_heads`` / ``num_q_heads`` are then the local counts); ``None``: all of them.
     """
 
     num_layers: int
@@ -64,6 +106,7 @@ class CacheGeometry:
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     linear: LinearShape | None = None
+    heads: HeadShard | None = None
 
     def __post_init__(self) -> None:
         types = self.types
@@ -75,6 +118,24 @@ class CacheGeometry:
             raise ValueError(f"CacheGeometry: linear layers {self.linear.layer_ids} with layer_types {types}")
         if self.linear is None and LINEAR in types:
             raise ValueError(f"CacheGeometry: layer_types {types} have linear-attention layers but no linear shape")
+
+    @property
+    def kv_head_offset(self) -> int:
+        """The model's index of this geometry's first KV head (0 without tensor parallelism)."""
+        return 0 if self.heads is None else self.heads.offset
+
+    @property
+    def kv_heads_total(self) -> int:
+        """The model's KV heads (all ranks of a tensor-parallel group together)."""
+        return self.num_kv_heads if self.heads is None else self.heads.total
+
+    def whole(self) -> CacheGeometry:
+        """The geometry of the whole model (every KV head), as one process holds it: what a sample's K/V bytes are
+        accounted with, whatever the tensor parallelism (a rank's own storage is :attr:`kv_bytes`)."""
+        if self.heads is None:
+            return self
+        group = self.num_q_heads // self.num_kv_heads
+        return replace(self, num_kv_heads=self.heads.total, num_q_heads=self.heads.total * group, heads=None)
 
     @property
     def types(self) -> tuple[str, ...]:
@@ -186,7 +247,12 @@ def span_of(slots: Sequence[int]) -> slice | None:
 def model_geometry(model, rows: int, capacity: int, prompt_len: int = 0) -> CacheGeometry:
     """The cache geometry of ``model`` for ``rows`` rows of ``capacity`` slots (dtype and device of its weights)."""
     param = next(model.parameters())
-    return config_geometry(model.config, rows, capacity, param.dtype, param.device, prompt_len)
+    g = config_geometry(model.config, rows, capacity, param.dtype, param.device, prompt_len)
+    shard = head_shard(model)
+    if shard is None:
+        return g
+    group = g.num_q_heads // g.num_kv_heads
+    return replace(g, num_kv_heads=shard.count, num_q_heads=shard.count * group, heads=shard)
 
 
 def config_geometry(

@@ -95,6 +95,9 @@ class EvictionInputs:
             ``evict_every < window``. Given with ``queries``.
         generators: for inputs built by hand (tests): seeded ``torch.Generator`` s, one per row, whose seeds
             (``initial_seed()``) key ``rng`` at position 0 when ``rng`` is not given. The engine passes ``rng``.
+        head_span: under tensor parallelism, ``(offset, total)``: ``H`` is the model's KV heads ``offset ..`` of
+            ``total`` (this rank's slice); ``None``: every head. :meth:`rand` / :meth:`randn` draw a head axis's noise
+            by the model's head index, so the ranks together draw what one process draws.
     """
 
     keys: torch.Tensor
@@ -113,6 +116,7 @@ class EvictionInputs:
     query_positions: torch.Tensor | None = None
     n_new_queries: torch.Tensor | None = None
     layer_ids: torch.Tensor | None = None
+    head_span: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.layer_ids is None:
@@ -140,14 +144,28 @@ class EvictionInputs:
         newest = self.query_positions.amax(dim=-1, keepdim=True)
         return self.query_positions > newest - self.n_new_queries[:, None]
 
+    def _heads(self, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """``(offset, total)`` of a draw whose first axis is this rank's KV heads (``H``) or query heads (``Hq``)
+        under tensor parallelism; ``None`` otherwise (every rank draws the same numbers)."""
+        if self.head_span is None or not shape:
+            return None
+        offset, total = self.head_span
+        h = self.keys.shape[1]
+        for group in (1, None if self.queries is None else self.queries.shape[1] // h):
+            if group and shape[0] == h * group:
+                return offset * group, total * group
+        return None
+
     def rand(self, *shape: int) -> torch.Tensor:
         """Uniform float32 noise in ``(0, 1)`` of shape ``(B, *shape)``: one batched draw, row ``b`` from its own stream
-        (each call is a new draw)."""
-        return self.rng.uniform(*shape)
+        (each call is a new draw). A first axis of ``H`` (or ``Hq``) is the head axis: under tensor parallelism its
+        noise is keyed by the model's head index (:attr:`head_span`)."""
+        return self.rng.uniform(*shape, heads=self._heads(shape))
 
     def randn(self, *shape: int) -> torch.Tensor:
-        """Standard normal float32 noise of shape ``(B, *shape)``: one batched draw, row ``b`` from its own stream."""
-        return self.rng.normal(*shape)
+        """Standard normal float32 noise of shape ``(B, *shape)``: one batched draw, row ``b`` from its own stream
+        (a head axis first: as :meth:`rand`)."""
+        return self.rng.normal(*shape, heads=self._heads(shape))
 
 
 @dataclass
@@ -219,6 +237,10 @@ class Policy:
     display_name: ClassVar[str | None] = None
     kind: ClassVar[str] = "none"  # "none" | "eviction" | "selection"
     needs_queries: ClassVar[bool] = False
+    #: why the policy cannot run on a slice of the KV heads (tensor parallelism, ``parallel.tensor``), ``None`` when
+    #: it can: every policy that scores and keeps per (layer, KV head) can; one with per-head parameters indexed by the
+    #: model's head (learned gates, calibrated centres) or a choice across heads is refused in this one line
+    head_parallel: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         self.validate()

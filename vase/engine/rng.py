@@ -157,22 +157,47 @@ class RowRNG:
 
     def bits(self, numel: int) -> torch.Tensor:
         """``(B, numel)`` int64 hashes in ``[0, 2^32)``: one draw."""
-        k1, k2 = self._round_keys()
-        j = torch.arange(numel, dtype=torch.long, device=self.key.device).unsqueeze(0)
-        return mix32(mix32(j ^ k1).bitwise_xor_(k2))
+        return self.bits_at(torch.arange(numel, dtype=torch.long, device=self.key.device))
 
-    def uniform(self, *shape: int) -> torch.Tensor:
-        """``(B, *shape)`` float32 uniform in ``(0, 1)`` (23 bits, centred: never 0 or 1)."""
-        x = self.bits(math.prod(shape))
+    def bits_at(self, j: torch.Tensor) -> torch.Tensor:
+        """``(B, len(j))`` int64 hashes of the elements ``j`` (a 1-d int64 tensor) of one draw: the same values as
+        ``bits(n)[:, j]`` for any ``n > max(j)`` (a rank that holds some heads draws their part of the whole draw)."""
+        k1, k2 = self._round_keys()
+        return mix32(mix32(j.unsqueeze(0) ^ k1).bitwise_xor_(k2))
+
+    @staticmethod
+    def _span(shape: Sequence[int], heads: tuple[int, int] | None, device) -> tuple[torch.Tensor, int]:
+        """The element indices of a draw of ``shape`` (``heads=(offset, total)``: its first axis is heads
+        ``offset ..`` of ``total``, the part of a draw of ``(total, *shape[1:])``) and that whole draw's size."""
+        n = math.prod(shape)
+        if heads is None:
+            return torch.arange(n, dtype=torch.long, device=device), n
+        offset, total = heads
+        rest = n // shape[0] if shape[0] else 0
+        return torch.arange(offset * rest, offset * rest + n, dtype=torch.long, device=device), total * rest
+
+    def uniform(self, *shape: int, heads: tuple[int, int] | None = None) -> torch.Tensor:
+        """``(B, *shape)`` float32 uniform in ``(0, 1)`` (23 bits, centred: never 0 or 1).
+
+        ``heads=(offset, total)``: ``shape[0]`` is a slice of heads from ``offset`` of ``total`` (tensor
+        parallelism): the numbers are those rows ``offset ..`` of a draw of ``(total, *shape[1:])``."""
+        j, _ = self._span(shape, heads, self.key.device)
+        x = self.bits_at(j)
         u = (x >> 9).to(torch.float32).mul_(2.0**-23).add_(2.0**-24)
         return u.view(-1, *shape)
 
-    def normal(self, *shape: int) -> torch.Tensor:
-        """``(B, *shape)`` float32 standard normal (Box–Muller on one draw of ``2 * numel`` uniforms)."""
+    def normal(self, *shape: int, heads: tuple[int, int] | None = None) -> torch.Tensor:
+        """``(B, *shape)`` float32 standard normal (Box–Muller on one draw of ``2 * numel`` uniforms); ``heads`` as
+        in :meth:`uniform` (the slice of the whole draw's normals)."""
         n = math.prod(shape)
-        u = self.uniform(2 * n)
+        j, whole = self._span(shape, heads, self.key.device)
+        u = self._uniform_at(torch.cat((j, j + whole)))
         r = u[:, :n].log().mul_(-2.0).sqrt_()
         return r.mul_(torch.cos(u[:, n:] * (2 * math.pi))).view(-1, *shape)
+
+    def _uniform_at(self, j: torch.Tensor) -> torch.Tensor:
+        x = self.bits_at(j)
+        return (x >> 9).to(torch.float32).mul_(2.0**-23).add_(2.0**-24)
 
     def exponential(self, *shape: int) -> torch.Tensor:
         """``(B, *shape)`` float32 Exp(1) (``-log u``; in ``[2^-24, 16.7]``)."""

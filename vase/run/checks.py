@@ -259,6 +259,7 @@ def _check_top_level(cfg: DictConfig) -> None:
     _path(cfg, "run_dir", nullable=True, example="results/my_run")
     for flag in ("progress", "record_kept", "raise_errors"):
         _boolean(cfg, flag)
+    _integer(cfg, "parallel.tensor", 1, fix="ranks per model: e.g. parallel.tensor=2 (torchrun --nproc-per-node 2)")
 
 
 def _known_keys(node: Any, prefix: str, known: tuple[str, ...], where: str) -> None:

@@ -103,6 +103,7 @@ def decode(
     progress: bool,
     rank: int | None = None,
     resolved: tuple[Any, str] | None = None,
+    tensor_mesh: Any = None,
 ) -> dict:
     """Decode ``work`` and hand each finished sample to ``grader``; return this session's manifest.
 
@@ -112,6 +113,7 @@ def decode(
             with its own entry; the runner rewrites it with every rank's at the end); ``None``: the one process.
         resolved: the model spec with the run's dtype and why (every rank decodes in the protocol's dtype, decided
             from the whole run's work); default: from ``work``.
+        tensor_mesh: the ranks this one shares the model with (``parallel.tensor``; :meth:`ModelSpec.load`).
     """
     from tqdm import tqdm
 
@@ -119,7 +121,7 @@ def decode(
     spec, dtype_reason = resolved or resolved_spec(prep, work)
     t_load = time.perf_counter()
     reset_peak_memory(spec.resolved_device())  # this run's (this sweep cell's) peak, not an earlier cell's
-    model, tokenizer = spec.load()
+    model, tokenizer = spec.load() if tensor_mesh is None else spec.load(tensor_mesh=tensor_mesh)
     logger.info("model %s loaded in %.1f s (%s, %s)", spec.name, time.perf_counter() - t_load, spec.dtype, dtype_reason)
     stop = eos_ids(model, tokenizer)
     calibration = calibrate_policy(policy, model, tokenizer, run_dir, write=rank in (None, 0))
@@ -204,7 +206,7 @@ def decode(
                 w = by_id[fin.key]
                 text = output_text(tokenizer, fin.tokens, spec.reasoning_format)  # <think>…</think>answer
                 meter.decoded += 1
-                make_row = row_maker(prep, w.problem, fin, text, dec.geometry)
+                make_row = row_maker(prep, w.problem, fin, text, dec.geometry.whole())  # the model's every head
                 grader.submit(w.problem, text, make_row, grade=fin.finish_reason not in NOT_DECODED)  # line once graded
                 left[fin.key] -= 1
                 if recorder is not None and left[fin.key] == 0:

@@ -8,7 +8,10 @@ The ranks come from the environment: ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` 
 ``SLURM_STEP_NUM_TASKS`` / ``SLURM_LOCALID`` (a job step of ``srun``, e.g. ``hydra/launcher=slurm`` with
 ``hydra.launcher.tasks_per_node=8``; ``MASTER_ADDR`` / ``MASTER_PORT`` are then derived from the step's first node and
 the job id). torch.distributed does the rest (a gloo process group: only small Python objects travel, never
-tensors, so no NCCL). One process is :class:`World` of size 1 and runs exactly the single-process code.
+tensors, so no NCCL). One process is :class:`World` of size 1 and runs exactly the single-process code. With
+``parallel.tensor=N`` (docs/scaling.md) consecutive groups of N ranks share one model: the tensors of its forward
+travel inside each group (:meth:`World.tensor_mesh`: NCCL on GPUs, gloo on the CPU), the work is dealt per group
+and only each group's first rank writes.
 
 Long module: the launch environment, the bounded rendezvous, the ranks' collectives and the device choice are one
 protocol (each step's failure must reach every rank as one line), read together.
@@ -182,15 +185,71 @@ class World:
     local_size: int = 1
     source: str = "single"
     _wait_group: Any = None
+    tensor: int = 1
+    _mesh: Any = None
 
     @property
     def is_leader(self) -> bool:
         """Rank 0: the owner of the run directory."""
         return self.rank == 0
 
+    @property
+    def data_rank(self) -> int:
+        """This rank's tensor-parallel group (``rank // tensor``): the data-parallel index that deals the work."""
+        return self.rank // self.tensor
+
+    @property
+    def data_size(self) -> int:
+        """Tensor-parallel groups (data-parallel copies of the model): ``size // tensor``."""
+        return self.size // self.tensor
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes what its group decodes: the first rank of each tensor-parallel group (every rank
+        without tensor parallelism); the others decode in step with it and write nothing."""
+        return self.rank % self.tensor == 0
+
+    def with_tensor(self, tensor: Any) -> World:
+        """This world with ``parallel.tensor=tensor`` ranks per model (consecutive ranks: ``world = data x tensor``);
+        one-line ``ValueError`` when it does not divide the world or exceeds a node's ranks."""
+        if isinstance(tensor, bool) or not isinstance(tensor, int) or tensor < 1:
+            raise ValueError(f"parallel.tensor: must be an integer >= 1 (ranks per model), got {tensor!r}")
+        if self.size % tensor:
+            raise ValueError(
+                f"parallel.tensor={tensor} does not divide the {self.size} ranks started (world = data x tensor); "
+                f"start a multiple of {tensor} ranks (torchrun --nproc-per-node {tensor * max(1, self.size // tensor)})"
+            )
+        if tensor > self.local_size:
+            raise ValueError(
+                f"parallel.tensor={tensor} is more than the {self.local_size} ranks on this node: a model's ranks "
+                "must share a node (its forward reduces across them at every layer); lower parallel.tensor"
+            )
+        if tensor != self.tensor:
+            self.tensor, self._mesh = tensor, None
+        return self
+
+    def tensor_mesh(self, device_type: str) -> Any:
+        """The 1-d device mesh of this rank's tensor-parallel group (``None`` without tensor parallelism); built once,
+        by every rank together (a collective), with NCCL for CUDA devices and gloo for the CPU."""
+        if self.tensor == 1:
+            return None
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            backend = {"tp": "nccl"} if device_type == "cuda" else {"tp": "gloo"}
+            mesh = init_device_mesh(
+                device_type,
+                (self.data_size, self.tensor),
+                mesh_dim_names=("data", "tp"),
+                backend_override=backend,
+            )
+            self._mesh = mesh["tp"]
+        return self._mesh
+
     def share(self, items: Sequence[T]) -> list[T]:
-        """This rank's round-robin share of ``items`` (every ``size``-th from ``rank``, as ``task.shard`` does)."""
-        return list(items[self.rank :: self.size])
+        """This rank's round-robin share of ``items`` (every ``data_size``-th from ``data_rank``, as ``task.shard``
+        does; the ranks of a tensor-parallel group share one share)."""
+        return list(items[self.data_rank :: self.data_size])
 
     # ------------------------------------------------------------------------------------------------ collectives
 

@@ -117,6 +117,8 @@ class Grader:
         workers: 0 for inline grading, else the pool's size.
         choice: why that many (for the manifest).
         on_row: called with each line once it is durable (progress bar, running accuracy).
+        record: ``False``: grade and write nothing, only count (a tensor-parallel rank whose group's first rank
+            writes the samples).
     """
 
     def __init__(
@@ -127,9 +129,10 @@ class Grader:
         workers: int,
         choice: str = "",
         on_row: Callable[[dict], None] | None = None,
+        record: bool = True,
     ):
         self.task, self.thinking, self.path, self.workers = task, thinking, Path(path), workers
-        self.choice, self.on_row = choice, on_row
+        self.choice, self.on_row, self.record = choice, on_row, record
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.submitted = 0
         self.written = 0
@@ -162,6 +165,8 @@ class Grader:
         """Grade ``output`` (``grade=False``: a sample that was not decoded to the end, written ungraded) and write
         ``make_row(grade)`` once graded: now when inline, after a later :meth:`poll` / :meth:`close` otherwise."""
         self.submitted += 1
+        if not self.record:
+            return
         if not grade:
             self._write(make_row(None))
         elif self._pool is None:

@@ -336,7 +336,7 @@ def available_memory(device: Any) -> int:
     import torch
 
     if getattr(device, "type", str(device)) == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
+        return int(torch.cuda.mem_get_info(device)[0])  # free now (another process's memory is not ours)
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -365,9 +365,12 @@ def check_memory(
     kv_memory: int | None,
     length_setting: str,
     machine: bool,
+    tensor: int = 1,
+    free: int | None = None,
 ) -> None:
     """One row's static cache (``capacity`` slots) against ``kv_memory`` and, on this machine, the memory there is;
-    then the ``rows`` in flight. Nothing is allocated."""
+    then the ``rows`` in flight beside the weights (:mod:`vase.run.memory_plan`: per rank under ``tensor``-way
+    tensor parallelism; ``free``: the device's free bytes, measured when ``None``). Nothing is allocated."""
     import torch
 
     from vase.engine.geometry import config_geometry
@@ -377,6 +380,14 @@ def check_memory(
     # every layer at its type's size: full layers' K/V and positions at the capacity, sliding layers' ring of the
     # window, a hybrid model's linear-attention state
     geometry = config_geometry(config, 1, capacity, resolve_dtype(dtype), torch.device("cpu"))
+    if tensor > 1:  # a rank's slice of the KV heads (a hybrid model's linear state stays whole on every rank)
+        from dataclasses import replace
+
+        from vase.parallel import kv_heads_split
+
+        if kv_heads_split(config, tensor):
+            kv, q = geometry.num_kv_heads // tensor, geometry.num_q_heads // tensor
+            geometry = replace(geometry, num_kv_heads=kv, num_q_heads=q)
     per_row = row_bytes(geometry, policy)
     if kv_memory is not None and kv_memory < per_row:
         raise ValueError(
@@ -385,7 +396,7 @@ def check_memory(
         )
     if not machine:
         return
-    free = available_memory(device)
+    free = available_memory(device) if free is None else free
     where = "the CUDA device" if getattr(device, "type", "") == "cuda" else "this machine (available RAM)"
     if per_row > free:
         evicts = policy.kind == "eviction"
@@ -399,6 +410,54 @@ def check_memory(
             f"generation.max_rows: {rows} rows in flight ({rows_reason}) x {_gib(per_row)} = {_gib(rows * per_row)} "
             f"of cache, more than the {_gib(free)} of {where}; set generation.kv_memory={_size(free // 2)} (rows from "
             "a memory budget) or a smaller generation.max_rows"
+        )
+    _check_plan(config, dtype, device, per_row, rows, rows_reason, free, tensor)
+
+
+def _check_plan(
+    config: Any, dtype: str, device: Any, per_row: int, rows: int, rows_reason: str, free: int, tensor: int
+) -> None:
+    """Weights (per rank) + ``rows`` x ``per_row`` + the workspace reserve against ``free``
+    (:func:`vase.run.memory_plan.plan_memory`), before anything loads."""
+    from vase.models import resolve_dtype
+    from vase.parallel import weight_bytes
+    from vase.run.memory_plan import plan_memory, reserve_bytes
+
+    gpu = getattr(device, "type", str(device)) == "cuda"
+    try:
+        weights = weight_bytes(config, resolve_dtype(dtype), tensor)
+    except ValueError:
+        raise
+    except Exception as err:  # a config transformers cannot build on the meta device: the cache is still checked
+        logger.warning("memory plan: the weights of this config could not be counted (%s); not counted", err)
+        weights = 0
+    setting = "generation.max_rows" if rows_reason == "generation.max_rows" else rows_reason
+    plan = plan_memory(weights, per_row, rows, free, reserve_bytes(free, gpu), tensor, setting)
+    logger.info(
+        "memory plan per rank: %s of weights + %d rows x %s + %s reserve = %s of %s free (parallel.tensor=%d)",
+        _gib(weights),
+        rows,
+        _gib(per_row),
+        _gib(plan.reserve),
+        _gib(plan.total),
+        _gib(free),
+        tensor,
+    )
+
+
+def check_tensor(policy: Any, config: Any, tensor: int) -> None:
+    """``parallel.tensor`` against the model and the policy, before anything loads: the KV heads (and a MoE's
+    experts) must split evenly, and a policy that cannot run on a slice of the heads (``Policy.head_parallel``) is
+    refused when they split. One-line ``ValueError``."""
+    if tensor == 1:
+        return
+    from vase.parallel import kv_heads_split, tensor_config
+
+    tensor_config(config, tensor)  # the experts divide
+    if kv_heads_split(config, tensor) and policy.head_parallel is not None:
+        raise ValueError(
+            f"policy {policy.name}: not supported under parallel.tensor={tensor} ({policy.head_parallel}); run it "
+            "with parallel.tensor=1"
         )
 
 
@@ -422,6 +481,8 @@ def check_cache(
 
         on_cpu = device.type != "cuda" and prep.kv_memory is None
         rows, reason, kv_memory = (AUTO_CPU_ROWS if on_cpu else 1), "auto", prep.kv_memory
+    tensor = int((prep.cfg.get("parallel") or {}).get("tensor", 1))
+    check_tensor(prep.policy, config, tensor)
     check_memory(
         config,
         prep.policy,
@@ -433,6 +494,7 @@ def check_cache(
         kv_memory=kv_memory,
         length_setting=length_setting,
         machine=machine,
+        tensor=tensor,
     )
 
 

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from contextlib import ExitStack
 from dataclasses import replace
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -51,6 +53,12 @@ from vase.run.results import (
 from vase.run.rundir import lock_run_dir
 from vase.run.validate import planned_for
 
+
+def tensor_of(cfg: DictConfig) -> int:
+    """``parallel.tensor`` of a config (1 when the config has no ``parallel`` node)."""
+    return (cfg.get("parallel") or {}).get("tensor", 1)
+
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["plan", "prepare", "run"]
@@ -61,7 +69,10 @@ def run(cfg: DictConfig, progress: bool = True) -> dict:
     raises the same error). See the module docstring."""
     world = current_world()
     agree_on(world, "the settings", _settings(cfg), SAME_COMMAND)  # before anything is written
+    world.step("checking parallel.tensor", lambda: world.with_tensor(tensor_of(cfg)) and None)
     device = world.pick_device(str(cfg.model.get("device", "auto")))  # None with one process: model.device as set
+    if world.tensor > 1:  # every rank builds the groups' mesh together (a collective), before any rank may skip
+        world.tensor_mesh("cuda" if str(device).startswith("cuda") else "cpu")
     started: list = []  # the logger rank 0 started, to abort if anything after it fails
     with ExitStack() as held:  # rank 0 holds the run directory's lock until the metrics are written
         try:
@@ -164,9 +175,15 @@ def _decode_share(p: RunPlan, share: list, world: World, run_logger, progress: b
     spec, why = resolved_spec(prep, p.work)
     setting = prep.cfg.generation.get("grade_workers", "auto")
     workers = grade_workers(setting, spec.resolved_device().type, torch.get_num_threads(), world.local_size)
+    mesh = world.tensor_mesh(spec.resolved_device().type)
+    if not world.writes:  # a tensor-parallel follower: decodes in step with its group's first rank, writes nothing
+        with tempfile.TemporaryDirectory(prefix="vase-tp-") as scratch:
+            quiet = replace(prep, run_dir=Path(scratch))
+            grader = Grader(prep.task, prep.thinking, sample_file(quiet.run_dir, rank), 0, record=False)
+            return decode(quiet, share, p.done_rows, grader, NullLogger(), False, rank, (spec, why), mesh)
     grader = Grader(prep.task, prep.thinking, sample_file(prep.run_dir, rank), *workers)
     try:
-        return decode(prep, share, p.done_rows, grader, run_logger, progress, rank, (spec, why))
+        return decode(prep, share, p.done_rows, grader, run_logger, progress, rank, (spec, why), mesh)
     except BaseException as err:
         try:  # keep what was decoded: grade and write it (an interrupt: only the grades already running)
             grader.close(drain=isinstance(err, Exception))
