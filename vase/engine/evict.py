@@ -7,7 +7,8 @@ one event per group for all layers: the layer axis is folded into the row axis o
 the policy's :meth:`~vase.engine.policy.EvictionPolicy.keep` is called once on the ``R * L`` folded rows (folded row
 ``i`` is row ``slots[i // L]`` on layer ``i % L``; ``EvictionInputs.layer_ids`` says which), and one gather and one
 scatter per buffer (K, V, positions) compact every layer of every row: the kept candidates to slots
-``[pinned, budget - window)``, the recent window behind them.
+``[pinned, budget - window)``, the recent window behind them (``window`` here is the policy's
+:attr:`~vase.engine.policy.EvictionPolicy.protected_window`: ``window`` unless it declares ``protect_recent``).
 
 Randomness: one draw per policy call for all folded rows, row ``i`` keyed by its row's eviction key, its position
 and its layer as stream (:class:`~vase.engine.rng.RowRNG` with a stream tensor): the same numbers a per-layer call
@@ -57,7 +58,9 @@ def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: in
     """One event: rows ``slots``, each holding ``length`` tokens of which the first ``pinned`` are never candidates."""
     policy, st = cache.policy, cache.storage
     n_layers, heads, cap = st.layers, st.heads, st.capacity
-    window, budget = policy.window, policy.budget
+    # the recent tokens the engine protects: ``window``, or fewer when the policy declares ``protect_recent`` (the query
+    # ring below keeps ``policy.window``)
+    window, budget = policy.protected_window, policy.budget
     n_cand, n_keep = length - window - pinned, budget - window - pinned
     start = cache.clock.start()
     idx = cache.index(slots)  # a slice (contiguous rows) or a device tensor built once per step
@@ -79,7 +82,7 @@ def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: in
     queries = fold(st.queries)
     query_positions = n_new = None
     if queries is not None:  # positions of the ring's slots and the queries new since the last call (no sync)
-        query_positions, n_new = ring_positions(pos_rows, fold(st.last_call_pos), window)
+        query_positions, n_new = ring_positions(pos_rows, fold(st.last_call_pos), policy.window)
         st.last_call_pos[idx] = pos[:, None]
     state = st.state.get(state_keys, idx, n, None)
     cand = slice(pinned, pinned + n_cand)
@@ -90,6 +93,7 @@ def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: in
         n_keep=n_keep,
         layer_idx=None,
         layer_ids=layer_ids,
+        layers_per_row=n_layers,
         scaling=cache.scaling,
         # noise keyed by (row's eviction key, row's position now, layer): never by its batch-mates
         rng=RowRNG(key_rows, pos_rows, stream=layer_ids),
