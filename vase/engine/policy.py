@@ -100,6 +100,8 @@ class EvictionInputs:
             (``layer_ids``) of one sequence, which hold the same positions when the policy keeps one set per KV head
             for every layer (TriAttention's per-head mode). The engine passes its full-attention layer count; ``1``
             (default) for inputs built by hand of one layer.
+        capacity: the token slots of a row in the engine's storage (a run constant: per-token state padded to it keeps
+            one shape for the row's life, :mod:`vase.engine.token_state`); ``None`` for inputs built by hand.
     """
 
     keys: torch.Tensor
@@ -119,6 +121,7 @@ class EvictionInputs:
     n_new_queries: torch.Tensor | None = None
     layer_ids: torch.Tensor | None = None
     layers_per_row: int = 1
+    capacity: int | None = None
 
     def __post_init__(self) -> None:
         if self.layer_ids is None:
@@ -341,6 +344,10 @@ class EvictionPolicy(Policy):
     compress_prefill: bool = False
     protect_recent: int | None = None
     kind: ClassVar[str] = "eviction"
+    #: the policy counts every query from the prompt on (H2O): the engine seeds its state from the prefill's attention
+    #: (:meth:`prefill_state`) and, before a row's first eviction, calls :meth:`keep` with ``n_keep`` = every candidate
+    #: each time the query ring holds ``window`` queries the policy has not seen (an observation: nothing is evicted)
+    accumulates: ClassVar[bool] = False
 
     def validate(self) -> None:
         super().validate()
@@ -436,6 +443,20 @@ class EvictionPolicy(Policy):
             if held > budget and length % every == 0:
                 held = budget
         return held
+
+    def prefill_state(self, positions: torch.Tensor, attention: torch.Tensor, capacity: int) -> dict:
+        """An accumulating policy's state of one layer right after a prompt's prefill (``accumulates``).
+
+        Args:
+            positions: ``(1, H, P)`` int64 the prompt's positions.
+            attention: ``(1, H, P)`` float32: the attention each prompt token received from every prompt query (its
+                causal softmax column sums), summed over the query heads of each KV head.
+            capacity: the storage's token slots per row (pad per-token state to it).
+
+        Returns:
+            ``{key: (1, ...) tensor}``: the state every row of the prompt starts with on this layer.
+        """
+        raise NotImplementedError(f"policy {self.name} declares accumulates but has no prefill_state")
 
     def keep(self, inputs: EvictionInputs) -> torch.Tensor:
         """Choose the candidates to keep.
