@@ -16,10 +16,12 @@ import time
 
 import torch
 
+from baselines.h2o import H2O
 from baselines.keydiff import KeyDiff
 from baselines.triattention import TriAttention
 from tests.authors_rules import rule_inputs
 from tests.policy_configs import calibrate
+from vase.engine.evict import prefill_column_sums
 
 
 def _time(policy, inputs_fn, repeats: int) -> float:
@@ -49,7 +51,10 @@ def main() -> None:
             KeyDiff(budget=a.budget, window=window, protect_recent=None),
             KeyDiff(budget=a.budget, window=window),
         ),
+        # H2O's rule is unchanged; its state is now padded to the storage capacity (here a prompt of 2 x budget)
+        "h2o": (H2O(budget=a.budget, window=window), H2O(budget=a.budget, window=window)),
     }
+    capacity = {"h2o": 2 * a.budget + 1}
     print(f"layers={a.layers} budget={a.budget} H={h} Hq={hq} D={d}; median of {a.repeats}, seconds per event")
     for name, (before, after) in pairs.items():
         for p in (before, after):
@@ -57,9 +62,22 @@ def main() -> None:
         times = {"before": [], "after": []}
         for _ in range(a.repeats):  # interleaved
             for label, p in (("before", before), ("after", after)):
-                times[label].append(_time(p, lambda p=p: rule_inputs(p, h, hq, d, 2, layer_ids), 1))
+                cap = capacity.get(name) if label == "after" else None
+                times[label].append(
+                    _time(p, lambda p=p, cap=cap: _with(rule_inputs(p, h, hq, d, 2, layer_ids), cap), 1)
+                )
         b, t = statistics.median(times["before"]), statistics.median(times["after"])
         print(f"{name:13s} before {b:.4f} s  after {t:.4f} s  ratio {t / b:.2f}")
+    for p in (1024, 4096):  # H2O's prefill seed: once per prompt and full layer
+        q, k = torch.randn(1, hq, p, d), torch.randn(1, h, p, d)
+        t0 = time.perf_counter()
+        prefill_column_sums(q, k, d**-0.5)
+        print(f"h2o prefill seed, one layer, prompt {p}: {time.perf_counter() - t0:.4f} s")
+
+
+def _with(inputs, capacity):
+    inputs.capacity = capacity
+    return inputs
 
 
 if __name__ == "__main__":
