@@ -31,6 +31,9 @@ between calls (e.g. CurDKV's sketch; an eviction call's rows are (sequence, laye
 A call's rows all have the same keys in their state: an empty dict means these rows have never stored anything
 (new sequences). Put or replace tensors in it; the engine stores each
 row's slice and hands it back at the row's next call. A key must keep its per-row shape for the row's lifetime.
+
+Long module: the whole contract between the engine and a policy (the inputs' documentation, the schedule's and the
+prompt's rules, the hooks) is one page a policy author reads, so it stays in one file.
 """
 
 from __future__ import annotations
