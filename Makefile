@@ -43,7 +43,7 @@ MODELS_DONE := _setup-models
 endif
 
 .PHONY: help venv setup setup-models run test test-slow pilot pilot-extended pilot-reasoning pilot-reasoning-select \
-	lint format bench reliability-doc clean
+	tables slim lint format bench reliability-doc clean
 
 help:  ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  %-14s %s\n", $$1, $$2}'
@@ -71,16 +71,18 @@ $(MODELS_DONE): $(SETUP_DONE)
 run: setup-models  ## the embedded default on a real offline model; more settings: make run ARGS="limit=1 n_samples=1"
 	$(PY) run.py $(ARGS)
 
-pilot: setup-models  ## the CPU pilot study (sweep=pilot, ~90 min on 2 cores, resumable), its report and docs/pilot.md
+pilot: setup-models  ## the CPU pilot study (sweep=pilot, ~90 min on 2 cores, resumable), its report, docs/data/pilot.tar.xz, the tables
 	@start=$$(date +%s); \
 	$(PY) run.py -m sweep=pilot progress=false $(ARGS) && \
 	$(PY) scripts/report.py results/pilot --out results/pilot/report && \
-	$(PY) scripts/pilot_report.py results/pilot --update docs/pilot.md --wall-seconds $$(( $$(date +%s) - start ))
+	$(PY) scripts/slim_results.py results/pilot docs/data/pilot.tar.xz --wall-seconds $$(( $$(date +%s) - start )) && \
+	$(PY) scripts/make_tables.py
 
 pilot-extended: setup-models  ## the pilot's extended set (streaming, snapkv_protect, rkv; a second budget)
 	$(PY) run.py -m sweep=pilot_extended progress=false $(ARGS)
 	$(PY) scripts/report.py results/pilot --out results/pilot/report
-	$(PY) scripts/pilot_report.py results/pilot --update docs/pilot.md
+	$(PY) scripts/slim_results.py results/pilot docs/data/pilot.tar.xz
+	$(PY) scripts/make_tables.py
 
 REASONING_ARGS = $(if $(DATA_DIR),task.data_dir=$(DATA_DIR)) progress=false $(ARGS)
 
@@ -90,13 +92,27 @@ pilot-reasoning: setup-models  ## the second CPU pilot, in the paper's regime (M
 	$(PY) run.py -m sweep=pilot_reasoning_keep_prompt $(REASONING_ARGS) && \
 	$(PY) run.py -m sweep=pilot_reasoning_control $(REASONING_ARGS) && \
 	$(PY) scripts/report.py results/pilot_reasoning --out results/pilot_reasoning/report && \
-	$(PY) scripts/pilot_report.py results/pilot_reasoning --block reasoning --control results/pilot_reasoning_control \
-		$(if $(wildcard results/pilot_reasoning_select),--selection results/pilot_reasoning_select) \
-		--update docs/pilot.md --wall-seconds $$(( $$(date +%s) - start ))
+	$(PY) scripts/slim_results.py results/pilot_reasoning docs/data/pilot_reasoning.tar.xz \
+		--wall-seconds $$(( $$(date +%s) - start )) && \
+	$(PY) scripts/slim_results.py results/pilot_reasoning_control docs/data/pilot_reasoning_control.tar.xz && \
+	$(if $(wildcard results/pilot_reasoning_select),$(PY) scripts/slim_results.py results/pilot_reasoning_select \
+		docs/data/pilot_reasoning_select.tar.xz &&) \
+	$(PY) scripts/make_tables.py
 
 pilot-reasoning-select: setup-models  ## the second pilot's selection run (full cache, seed 1000) and the ids it selects
 	$(PY) run.py -m sweep=pilot_reasoning_select $(REASONING_ARGS)
 	$(PY) scripts/pilot_select.py results/pilot_reasoning_select --low 0.25 --high 0.75
+
+# the pilots' results trees that `make slim` packs into docs/data/<name>.tar.xz (those that exist)
+SLIM_TREES = pilot pilot_reasoning pilot_reasoning_control pilot_reasoning_select
+
+tables: setup  ## regenerate docs/pilot.md's and the README's tables from the compact results in docs/data/ (seconds)
+	$(PY) scripts/make_tables.py
+
+slim: setup  ## pack the pilots' results trees (results/<pilot>) into docs/data/<pilot>.tar.xz (commit those)
+	@found=; for t in $(SLIM_TREES); do [ -d results/$$t ] || continue; found=1; \
+		$(PY) scripts/slim_results.py results/$$t docs/data/$$t.tar.xz || exit $$?; done; \
+	[ -n "$$found" ] || { echo "make slim: no pilot results under results/ ($(SLIM_TREES)); run make pilot first"; exit 2; }
 
 test: setup  ## the fast test suite (no downloads, no GPU)
 	$(PY) -m pytest -q; rc=$$?; [ $$rc -eq 5 ] && echo "no tests collected" && exit 0; exit $$rc

@@ -14,10 +14,10 @@ pass_k. Results: results/<task>/<model>/<run>/. Rerunning the same command resum
 Before Hydra starts (so nothing is written, not even Hydra's own directory), every cell of the command line (one run,
 or every job of a multirun: the product of the swept values, the sweep file's included) is composed with Hydra's
 compose API and checked: first every setting (:func:`check_overrides`, :mod:`vase.run.checks`, no torch), then
-everything a run checks before it writes (:func:`check_runs`, :func:`vase.run.planning.plan`: the policy's and the
-task's fields, the data, the run directory, the model's config, the device, the memory). A typo or a bad value is one
-line on stderr with a did-you-mean or the fix, exit code 2. Under ``torchrun`` (or ``srun`` with several tasks) rank 0
-runs these checks and every rank prints its verdict (:func:`check_command`); each cell then runs data-parallel on
+everything a run checks before it writes (:func:`check_runs`, :func:`vase.run.planning.preflight`: the policy's and
+the task's fields, the data, the run directory, the model's config, the device, the memory). A typo or a bad value is
+one line on stderr with a did-you-mean or the fix, exit code 2. Under ``torchrun`` (or ``srun`` with several tasks)
+rank 0 runs these checks and every rank prints its verdict (:func:`check_command`); each cell then runs data-parallel on
 every rank (:mod:`vase.run.distributed`), and a cell that fails fails on every rank with the same line while the sweep
 goes on.
 
@@ -61,6 +61,16 @@ def check_group_choices(argv: list[str]) -> str | None:
                 hint = f" (did you mean {close[0]}?)" if close else ""
                 return f"{key}={v}: unknown {key}{hint}; valid: {', '.join(options)}"
     return None
+
+
+def check_conf_files(argv: list[str]) -> str | None:
+    """One line naming a file of ``conf/`` and its line when YAML cannot read it, or it is empty or not a mapping
+    (:mod:`vase.run.conf_files`); ``None`` with another config directory (``--config-dir``: Hydra reports it)."""
+    if any(a.startswith(("--config-dir", "--config-path", "-cd", "-cp")) for a in argv):
+        return None
+    from vase.run.conf_files import check_conf_dir
+
+    return check_conf_dir(CONF)
 
 
 def _one_line(text: str) -> str:
@@ -112,7 +122,9 @@ def _unknown_key(override: str, key: str, config_name: str, overrides: list[str]
     if close:
         fixed = close[0] if "/" in key else ".".join([*known, close[0], *key.split(".")[len(known) + 1 :]])
         hint = f" (did you mean {override.replace(key, fixed, 1)}?)"
-    add = f"; to add a new key: +{override.lstrip('+~')}" if verb == "override" else ""
+    # only a free-form node takes new keys (model.tiny's config fields); generation and the top level are closed
+    # (vase.run.checks.check_settings) and a policy's, task's or logger's fields are its dataclass's
+    add = f"; to add a new key: +{override.lstrip('+~')}" if verb == "override" and key.startswith("model.") else ""
     return f"{override}: unknown setting {key}{hint}; {where}: {', '.join(options)}{add}"
 
 
@@ -212,9 +224,33 @@ def check_overrides(argv: list[str]) -> str | None:
         except ValueError as err:
             return _in_cell(cell, cells, str(err))
         composed.append((cell, cfg))
+    if not args.multirun and composed and not (args.cfg or args.info or args.resolve or args.package):
+        error = _sweep_without_m(composed[0][1], [text for text, _ in parsed])
+        if error:
+            return error
     _checked.clear()
     _checked.update(argv=list(argv), args=args, cells=cells, composed=composed)
     return None
+
+
+def _sweep_without_m(cfg, overrides: list[str]) -> str | None:
+    """A ``sweep=`` preset run without ``-m``: Hydra would run one job of its defaults silently. One line, unless the
+    command line sets every swept key itself (``sweep=pilot policy=snapkv``: one cell of the preset, on purpose)."""
+    from omegaconf import OmegaConf
+
+    node = cfg.hydra.sweeper.get("params") if "sweeper" in cfg.hydra else None
+    params = OmegaConf.to_container(node, resolve=False) if node is not None else {}
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    left = {k: v for k, v in (params or {}).items() if k not in given}
+    if not left:
+        return None
+    preset = next((o for o in overrides if o.split("=", 1)[0] == "sweep"), "the sweep preset")
+    swept = "; ".join(f"{k} over {v}" for k, v in left.items())
+    one = " ".join(f"{k}={str(v).split(',')[0]}" for k, v in left.items())
+    return (
+        f"{preset}: a sweep preset runs its jobs only with -m (it sweeps {swept}); add -m (python run.py -m "
+        f"{' '.join(overrides)}), or pick one cell: {' '.join([*overrides, one])}"
+    )
 
 
 def _unparsable_value(text: str, err: ValueError) -> str:
@@ -248,7 +284,7 @@ def _cells(parsed: list, config_name: str, multirun: bool) -> list[list[str]] | 
     try:
         base = _compose(config_name, plain)
     except (HydraException, OmegaConfBaseException) as err:
-        return _explain(err, plain, config_name)
+        return _swept_group_key(err, parsed, config_name) or _explain(err, plain, config_name)
     params = {}
     if str(base.hydra.sweeper.get("_target_", "")).endswith("BasicSweeper"):
         node = base.hydra.sweeper.get("params")
@@ -258,6 +294,50 @@ def _cells(parsed: list, config_name: str, multirun: bool) -> list[list[str]] | 
         return [list(cell) for batch in BasicSweeper.split_arguments(overrides, None) for cell in batch]
     except HydraException:  # interval() / a sweeper of its own: not enumerable here, the first values only
         return [[t for t in texts if t in plain]]
+
+
+def _swept_group_key(err: Exception, parsed: list, config_name: str) -> str | None:
+    """A key of a swept group (``-m policy=quest,snapkv policy.page_size=8``): Hydra composes a multirun's command
+    line with the group's default first (the sweep left out), so it refuses a key the default lacks. One line that
+    names the first job whose own option lacks the key, with that option's keys; or, when every swept option has it,
+    the fix Hydra takes (``++key=value``). ``None`` when the error is not about a swept group's key."""
+    import re
+
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    m = re.search(r"Could not override '(.+?)'", str(err))
+    if not m:
+        return None
+    key = m.group(1)
+    swept = [o for _, o in parsed if o.is_sweep_override() and _is_group(o.get_key_element())]
+    groups = [o.get_key_element() for o in swept if key.startswith(o.get_key_element().replace("/", ".") + ".")]
+    if not groups:
+        return None
+    text = next(t for t, o in parsed if o.get_key_element().lstrip("+~") == key)
+    rest = [t for t, _ in parsed if t != text]
+    try:
+        overrides = OverridesParser.create().parse_overrides(rest)
+        cells = [list(cell) for batch in BasicSweeper.split_arguments(overrides, None) for cell in batch]
+    except Exception:
+        return None
+    for cell in cells:
+        try:
+            cfg = _compose(config_name, cell)
+        except Exception:
+            return None
+        if OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
+            message = _unknown_key(text, key, config_name, cell, verb="sweep")
+            return _in_cell([*cell, text], [[*c, text] for c in cells], message)
+    value = text.split("=", 1)[1]
+    return (
+        f"{text}: every swept {groups[0]} has {key}, but Hydra checks a multirun's command line against the default "
+        f"{groups[0]} first, which does not; write ++{key}={value}"
+    )
+
+
+_MISSING = object()
 
 
 def _in_cell(cell: list[str], cells: list[list[str]], message: str) -> str:
@@ -280,8 +360,7 @@ def check_runs(argv: list[str]) -> str | None:
     args, cells = _checked["args"], _checked["cells"]
     if args.cfg or args.info or args.resolve or args.package:
         return None
-    from vase.run.planning import plan
-    from vase.run.rundir import check_writable, probe_lock
+    from vase.run.planning import preflight
 
     handler = logging.StreamHandler(sys.stderr)  # warnings of the checks, before Hydra configures logging
     handler.setFormatter(logging.Formatter("[%(asctime)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S"))
@@ -290,14 +369,8 @@ def check_runs(argv: list[str]) -> str | None:
     root.addHandler(handler)
     try:
         for cell, cfg in _checked["composed"]:
-            where = cfg.hydra.sweep.dir if args.multirun else cfg.hydra.run.dir
-            machine = "Slurm" not in str(cfg.hydra.launcher.get("_target_", ""))
             try:
-                fix = "point results_dir (or hydra.run.dir / hydra.sweep.dir) at a directory you can write"
-                check_writable(Path(str(where)), "results_dir (Hydra's output directory)", fix)
-                p = plan(cfg, machine=machine, cache=True)
-                if not args.multirun:
-                    probe_lock(p.prep.run_dir)
+                preflight(cfg, multirun=args.multirun)
             except ValueError as err:
                 return _in_cell(cell, cells, str(err))
             except ModuleNotFoundError as err:
@@ -435,7 +508,7 @@ def check_command(argv: list[str]) -> tuple[str | None, int]:
     try:
         world = current_world()
         agree_on(world, "the command line", command_settings(argv), SAME_COMMAND)
-        cheap = lambda: check_group_choices(argv) or check_overrides(argv)  # noqa: E731
+        cheap = lambda: check_conf_files(argv) or check_group_choices(argv) or check_overrides(argv)  # noqa: E731
         error = world.leader("checking the command line", lambda: first_error(cheap))
         if error is None:
             sys.argv[1:] = launch_overrides(argv)
@@ -469,8 +542,28 @@ def _say(line: str) -> None:
     os.write(sys.stderr.fileno(), (line + "\n").encode("utf-8", "replace"))
 
 
+def missing_environment() -> str | None:
+    """One line when this Python lacks the harness's packages (``python run.py`` outside the project's virtual
+    environment): which module, and how to activate it, before anything imports Hydra (a 36-line traceback)."""
+    import importlib.util
+
+    for module in ("hydra", "omegaconf", "torch", "transformers"):
+        if importlib.util.find_spec(module) is None:
+            venv = Path(__file__).resolve().parent / ".venv"
+            made = "" if venv.is_dir() else " (make setup creates it)"
+            return (
+                f"this Python ({sys.executable}) has no module {module!r}: the harness's packages live in the "
+                f"project's .venv{made}; activate it (source .venv/bin/activate) and rerun, or use "
+                'make run ARGS="...", which needs no activation'
+            )
+    return None
+
+
 if __name__ == "__main__":
     argv = sys.argv[1:]
+    if missing := missing_environment():
+        _say(f"error: {missing}")
+        sys.exit(2)
     try:
         error, code = check_command(argv)
         if error:

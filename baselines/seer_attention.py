@@ -47,7 +47,16 @@ from typing import ClassVar
 
 import torch
 
-from baselines.seer_gates import CONFIG_FILE, GATE_REVISIONS, GATES, Gates, fetch_gates, load_gates
+from baselines.seer_gates import (
+    CONFIG_FILE,
+    GATE_REVISIONS,
+    GATES,
+    Gates,
+    fetch_gates,
+    load_gates,
+    read_gate_config,
+    resolve_gates,
+)
 from vase.engine.geometry import partial_rope
 from vase.engine.policy import SelectionInputs, SelectionPolicy, _check
 
@@ -173,6 +182,7 @@ class SeerAttentionR(SelectionPolicy):
                 f"{self.gate_path!r} is not a gate checkpoint directory (no {CONFIG_FILE}); point it at a directory "
                 "holding config.json and attn_gate_weights.pth",
             )
+            read_gate_config(self.gate_path, "policy.gate_path")  # a broken config.json: one line now, not at setup
             setting, trained_for = "policy.gate_path", _base_model(cfg_file)
         elif self.model_name is None:
             return  # decided in setup() from the model's config
@@ -193,7 +203,9 @@ class SeerAttentionR(SelectionPolicy):
 
     def check_model(self, model_config) -> None:
         """Refuse partial RoPE, NoPE and a RoPE type other than the default (gpt-oss's YaRN) from the model's
-        config, in the preflight (before any file or weight): the gate rotates its keys with the default RoPE."""
+        config, in the preflight (before any file or weight): the gate rotates its keys with the default RoPE. Gates
+        from the hub are resolved here too (their ``config.json``, not the weights): an unreachable ``gate_repo`` or
+        revision is one line before anything is written."""
         partial = partial_rope(model_config)
         _check(
             partial is None,
@@ -207,6 +219,10 @@ class SeerAttentionR(SelectionPolicy):
             f"RoPE type {rope_type!r} is not supported (the gates rotate with the default RoPE); use a model with the "
             "default RoPE (Qwen3)",
         )
+        if self.gate_path is None and self._gates is None:
+            repo = self.gate_repo or GATES.get(self.model_name or getattr(model_config, "_name_or_path", "") or "")
+            if repo is not None:
+                resolve_gates(repo, self.gate_revision or GATE_REVISIONS.get(repo))
 
     def setup(self, model_config) -> None:
         """Load the gates (once) and refuse a model they were not trained for (one line)."""

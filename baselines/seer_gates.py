@@ -161,20 +161,74 @@ class Gates:
     extra: dict = field(default_factory=dict)
 
 
-def load_gates(directory: str | Path, where: str | None = None) -> Gates:
-    """Read a gate checkpoint directory (``config.json`` + ``attn_gate_weights.pth`` or ``.safetensors``) and check
-    every layer's tensors against the config (one-line ``ValueError`` starting with ``where``, default
-    ``policy.gate_path=<directory>``, and naming the file and the tensor)."""
+def read_gate_config(directory: str | Path, where: str | None = None, weights: bool = True) -> GateConfig:
+    """The parsed ``config.json`` of a gate checkpoint directory, without loading its tensors (the preflight's check).
+
+    Args:
+        weights: also require the weights file (``.pth`` or ``.safetensors``) to be there.
+
+    Raises:
+        ValueError: one line starting with ``where`` (default ``policy.gate_path=<directory>``) naming the file and
+            what is wrong: absent, not UTF-8 JSON, not an object, a missing field or one of the wrong type.
+    """
     path = Path(directory)
     where = where or f"policy.gate_path={path}"
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
         raise ValueError(f"{where}: no {CONFIG_FILE} in {path}; {GATE_FALLBACK}")
     try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{where}: {cfg_file} is not JSON ({err})") from None
-    config = GateConfig.from_dict(raw, where)
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        reason = " ".join(str(err).split())[:200]
+        raise ValueError(f"{where}: {cfg_file} is not JSON ({reason}); fix the file, or {GATE_FALLBACK}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: {cfg_file} is not a JSON object (it holds a {type(raw).__name__}); {GATE_FALLBACK}")
+    try:
+        config = GateConfig.from_dict(raw, where)
+    except (TypeError, ValueError, AttributeError) as err:
+        if isinstance(err, ValueError) and str(err).startswith(where):
+            raise
+        reason = " ".join(str(err).split())[:200]
+        raise ValueError(f"{where}: {cfg_file} has a field of the wrong type ({reason}); {GATE_FALLBACK}") from None
+    if weights and not ((path / WEIGHTS_FILE).is_file() or (path / WEIGHTS_SAFETENSORS).is_file()):
+        raise ValueError(f"{where}: no {WEIGHTS_FILE} (or {WEIGHTS_SAFETENSORS}) in {path}; {GATE_FALLBACK}")
+    return config
+
+
+def resolve_gates(repo: str, revision: str | None) -> tuple[GateConfig, str | None]:
+    """``repo``'s gate ``config.json`` at ``revision`` (downloaded, or found in the hub cache offline) and the commit
+    it resolved to, without the weights: the preflight's check that the gates can be reached at all.
+
+    Raises:
+        ValueError: one line naming the repository, the revision and the fix (:func:`vase.hub.hub_error`).
+    """
+    requested = revision or "main"
+    ensure_hub_mode()
+    try:
+        from huggingface_hub import hf_hub_download
+
+        cfg = hf_hub_download(repo, CONFIG_FILE, revision=requested)
+    except Exception as exc:
+        raise hub_error(
+            exc,
+            f"policy seer_attention_r: cannot load gates {repo}@{requested}",
+            repo,
+            "model",
+            requested,
+            "policy.gate_revision",
+            GATE_FALLBACK,
+        ) from None
+    commit = snapshot_sha(cfg)
+    return read_gate_config(Path(cfg).parent, f"policy.gate_repo={repo}@{commit or requested}", weights=False), commit
+
+
+def load_gates(directory: str | Path, where: str | None = None) -> Gates:
+    """Read a gate checkpoint directory (``config.json`` + ``attn_gate_weights.pth`` or ``.safetensors``) and check
+    every layer's tensors against the config (one-line ``ValueError`` starting with ``where``, default
+    ``policy.gate_path=<directory>``, and naming the file and the tensor)."""
+    path = Path(directory)
+    where = where or f"policy.gate_path={path}"
+    config = read_gate_config(path, where)
     if (path / WEIGHTS_FILE).is_file():
         weights_file = path / WEIGHTS_FILE
         state = torch.load(weights_file, map_location="cpu", weights_only=True)

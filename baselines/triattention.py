@@ -205,6 +205,32 @@ def _check_rope(model_config) -> None:
     )
 
 
+def read_calibration_text(path: Path) -> str:
+    """The calibration text of ``path``: UTF-8 text with at least one character that is not white space.
+
+    Raises:
+        ValueError: one line naming ``policy.calibration_text``, the file and what is wrong (empty, binary: the byte
+            offset of the first byte that is not UTF-8, or unreadable).
+    """
+    fix = f"give a plain-text (UTF-8) file, or policy.calibration_text=null for {DEFAULT_TEXT.name}"
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as err:
+        raise ValueError(f"policy.calibration_text: cannot read {str(path)!r} ({err.strerror}); {fix}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"policy.calibration_text: {str(path)!r} is not UTF-8 text (byte {err.start} is {raw[err.start]:#04x}); "
+            f"{fix}"
+        ) from None
+    if "\x00" in text:
+        raise ValueError(f"policy.calibration_text: {str(path)!r} is binary (it holds NUL bytes); {fix}")
+    if not text.strip():
+        raise ValueError(f"policy.calibration_text: {str(path)!r} is empty (no text to calibrate on); {fix}")
+    return text
+
+
 @dataclass
 class TriAttention(EvictionPolicy):
     """TriAttention; fields as in the module docstring.
@@ -276,6 +302,7 @@ class TriAttention(EvictionPolicy):
             "policy.calibration_text",
             f"no such file {str(path)!r}; give a plain-text file (or null for {DEFAULT_TEXT.name})",
         )
+        read_calibration_text(path)  # empty or not UTF-8 text: one line now, before anything is written
 
     # ---- calibration --------------------------------------------------------------------------------------------
     def text_path(self) -> Path:

@@ -15,9 +15,35 @@
 #   scripts/gpu_smoke.sh --dry-run    # on a CPU, tiny shapes: every code path the GPU run takes but the kernels
 # Python: PY=/path/to/python, else the active virtual environment or conda env, else .venv/ (as the Makefile;
 # no .venv: python3 from PATH; scripts/project_python.sh), so it runs right after `make run` without activation.
+# A machine without a package registry: build the carry folder on a connected machine (scripts/gpu_carry.py, the
+# wheels the image lacks, <= 64 MiB), copy it here as .carry/ (or set CARRY=dir). This script then checks the
+# machine's own torch, huggingface-hub, ... against it, installs it without a registry into .carry/site and puts
+# that first on PYTHONPATH (the image's own packages stay untouched). See docs/gpus.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/project_python.sh   # PY: PY=, the active venv / conda env, else .venv (as the Makefile), else python3
+
+if [[ -n "${CARRY:-}" && ! -f "$CARRY/carry.json" ]]; then
+  echo "$0: CARRY=$CARRY has no carry.json; build it with \`python scripts/gpu_carry.py --out $CARRY\` (docs/gpus.md)" >&2
+  exit 2
+fi
+CARRY="${CARRY:-.carry}"
+if [[ -f "$CARRY/carry.json" ]]; then
+  CARRY="$(cd "$CARRY" && pwd)"
+  # the machine's own torch, huggingface-hub, numpy, ... first: one line naming what is missing
+  "$PY" scripts/gpu_carry.py --out "$CARRY" --check || exit 2
+  if ! cmp -s "$CARRY/carry.json" "$CARRY/site/.installed"; then
+    rm -rf "$CARRY/site"
+    if ! "$PY" -m pip install --quiet --no-index --no-deps --target "$CARRY/site" "$CARRY"/wheels/*.whl; then
+      echo "$0: could not install $CARRY/wheels into $CARRY/site (pip --no-index --no-deps --target)" >&2
+      exit 2
+    fi
+    cp "$CARRY/carry.json" "$CARRY/site/.installed"
+  fi
+  export PYTHONPATH="$CARRY/site${PYTHONPATH:+:$PYTHONPATH}"
+  "$PY" scripts/gpu_carry.py --out "$CARRY" --verify || exit 2
+fi
+"$PY" scripts/gpu_carry.py --preflight || exit 2
 
 if [[ "${1:-}" == "--dry-run" ]]; then
   shift

@@ -11,8 +11,8 @@ docs/protocol.md):
   ``boxed`` anywhere in the output, the thinking included and even when it never closed (:func:`extract_last_boxed`);
   for multiple choice, the last stand-alone letter in that box (their ``choice_answer_clean``,
   :func:`extract_choice_last_boxed`). No fallback without a box. Equivalence is the same check as ``strict``
-  (math-verify; with a task's ``equivalence="authors"``, ``protocol=paper``, also the authors' numeric rule
-  :func:`authors_number_equal`), so the two rules differ only in where the answer is read.
+  (math-verify; with a task's ``equivalence="authors"``, ``protocol=paper``, the authors' ``check_is_correct``
+  branch for branch, :mod:`tasks.authors_grader`), so the two rules differ only in where the answer is read.
 * Code under ``code_extraction="authors"`` (LiveCodeBench, ``protocol=paper``): their ``_extract_code``
   (:func:`extract_code_authors`).
 
@@ -40,7 +40,6 @@ The ``strict`` rules (see ``tests/test_grading.py`` for the golden table):
 from __future__ import annotations
 
 import logging
-import math
 import re
 import threading
 from collections.abc import Sequence
@@ -293,50 +292,28 @@ def math_equal(gold: str, pred: str | None) -> bool:
         return False
 
 
-#: ``equivalence`` of a math task: ``math_verify`` (the harness) or ``authors`` (math-verify, plus the authors' numeric
-#: rule :func:`authors_number_equal`; ``protocol=paper``)
+#: ``equivalence`` of a math task: ``math_verify`` (the harness) or ``authors`` (their ``check_is_correct``, branch for
+#: branch: :mod:`tasks.authors_grader`; ``protocol=paper``)
 EQUIVALENCES = ("math_verify", "authors")
 
 
-def authors_number(text: str) -> float | None:
-    """A number as the authors' grader reads it (terarachang/VaSE ``Utils/grader.py`` ``parse_digits``, L47-60):
-    commas dropped, then ``float``; failing that, a trailing ``%`` (or ``\\%``) divides by 100. ``None`` otherwise."""
-    num = str(text).replace(",", "")
-    try:
-        return float(num)
-    except ValueError:
-        if num.endswith("%"):
-            num = num[:-1].removesuffix("\\")
-            try:
-                return float(num) / 100
-            except ValueError:
-                pass
-    return None
-
-
-def authors_number_equal(gold: str, pred: str | None) -> bool:
-    """The numeric branch of the authors' ``math_equal`` (``Utils/grader.py`` L145-164, called by ``check_is_correct``
-    with ``include_percentage=True``, ``is_close=True``): both sides numbers (:func:`authors_number`) and the prediction
-    within an absolute 1e-4 (``numeric_equal``, L345-354) of gold / 100, gold or gold x 100. So 0.5 is right for a
-    gold of 50, and 5000 too."""
-    if pred is None:
-        return False
-    g, p = authors_number(gold), authors_number(pred)
-    if g is None or p is None:
-        return False
-    return any(math.isclose(p, ref, rel_tol=0.0, abs_tol=1e-4) for ref in (g / 100, g, g * 100))
-
-
 def answer_equal(gold: str, pred: str | None, equivalence: str, verdict: bool | None = None) -> bool:
-    """Whether ``pred`` answers ``gold`` under ``equivalence`` (:data:`EQUIVALENCES`); ``verdict`` is :func:`math_equal`
-    of the pair when already known."""
-    ok = math_equal(gold, pred) if verdict is None else verdict
+    """Whether ``pred`` answers ``gold`` under ``equivalence`` (:data:`EQUIVALENCES`); ``verdict`` is the verdict of
+    the pair under that equivalence when already known (:func:`equal_many`)."""
+    if verdict is not None:
+        return verdict
     if equivalence == "authors":
-        return ok or authors_number_equal(normalize_math(str(gold)), None if pred is None else normalize_math(pred))
-    return ok
+        from tasks.authors_grader import check_is_correct
+
+        return check_is_correct(pred, gold)
+    return math_equal(gold, pred)
 
 
-def _math_equal_pairs(pairs: Sequence[tuple[str, str | None]]) -> list[bool]:
+def _math_equal_pairs(pairs: Sequence[tuple[str, str | None]], equivalence: str = "math_verify") -> list[bool]:
+    if equivalence == "authors":
+        from tasks.authors_grader import check_is_correct
+
+        return [check_is_correct(p, g) for g, p in pairs]
     return [math_equal(g, p) for g, p in pairs]
 
 
@@ -357,13 +334,17 @@ def _math_pool() -> ProcessPoolExecutor:
         return _pool
 
 
-def math_equal_many(pairs: Sequence[tuple[str, str | None]], chunk: int = 64) -> list[bool]:
-    """:func:`math_equal` over many ``(gold, pred)`` pairs, with timeouts: in this thread when it is the main thread,
-    otherwise in worker processes (spawned once, reused)."""
+def math_equal_many(
+    pairs: Sequence[tuple[str, str | None]], chunk: int = 64, equivalence: str = "math_verify"
+) -> list[bool]:
+    """:func:`answer_equal` under ``equivalence`` over many ``(gold, pred)`` pairs, with timeouts: in this thread when
+    it is the main thread, otherwise in worker processes (spawned once, reused)."""
     if threading.current_thread() is threading.main_thread() or not pairs:
-        return _math_equal_pairs(pairs)
+        return _math_equal_pairs(pairs, equivalence)
     pool = _math_pool()
-    futures = [pool.submit(_math_equal_pairs, list(pairs[i : i + chunk])) for i in range(0, len(pairs), chunk)]
+    futures = [
+        pool.submit(_math_equal_pairs, list(pairs[i : i + chunk]), equivalence) for i in range(0, len(pairs), chunk)
+    ]
     return [ok for f in futures for ok in f.result()]
 
 

@@ -45,9 +45,9 @@ class MathTask(Task):
     """A task whose gold is a math expression and whose output ends with ``\\boxed{answer}``.
 
     Attributes:
-        equivalence: ``math_verify`` (the harness) or ``authors`` (math-verify, plus the authors' numeric rule:
-            gold x 100 and gold / 100 accepted, :func:`tasks.grading.authors_number_equal`; ``protocol=paper``),
-            for both grader rules.
+        equivalence: ``math_verify`` (the harness) or ``authors`` (the authors' ``check_is_correct`` branch for
+            branch, :mod:`tasks.authors_grader`: e.g. gold x 100 and gold / 100 accepted; ``protocol=paper``), for
+            both grader rules.
     """
 
     equivalence: str = "math_verify"
@@ -59,7 +59,7 @@ class MathTask(Task):
         if self.equivalence not in EQUIVALENCES:
             raise ValueError(
                 f"task.equivalence: must be one of {', '.join(EQUIVALENCES)}, got {self.equivalence!r}; e.g. "
-                "protocol.equivalence=authors (the authors' gold x 100 / gold / 100 rule)"
+                "protocol.equivalence=authors (the authors' check_is_correct)"
             )
 
     def make_prompt(self, problem_text: str) -> str:
@@ -79,7 +79,7 @@ class MathTask(Task):
         pairs = sorted(
             {(str(items[i][0].answer), ans) for rule in found for i, (ans, _) in enumerate(found[rule]) if ans},
         )
-        verdicts = dict(zip(pairs, math_equal_many(pairs)))
+        verdicts = dict(zip(pairs, math_equal_many(pairs, equivalence=self.equivalence)))
         grades = []
         for i, (problem, _) in enumerate(items):
             by_rule = {}

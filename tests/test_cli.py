@@ -50,7 +50,9 @@ def test_typo_or_bad_value_is_one_line_exit_2_and_writes_nothing(override, expec
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["policy.nosuchkey=1"], "to add a new key: +policy.nosuchkey=1"),
+        (["model=tiny", "model.tiny.nosuchkey=1"], "to add a new key: +model.tiny.nosuchkey=1"),
+        (["+generation.compil=on"], "generation.compil: unknown setting (did you mean generation.compile?)"),
+        (["+foo=1"], "foo: unknown setting; top-level settings and groups: ratio,"),
         (["policy=quest", "policy.page_sze=8"], "(did you mean policy.page_size=8?)"),
         (["generation.max_lenght=5"], "(did you mean generation.max_length=5?)"),
         (["polcy.budget=3"], "(did you mean policy.budget=3?)"),

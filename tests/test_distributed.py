@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 
 from tests.conftest import compose as _compose
 from tests.conftest import sample_metrics
+from vase.run import distributed
 from vase.run.distributed import World, first_host, launch_from_env
 from vase.run.results import (
     append_jsonl,
@@ -496,18 +497,46 @@ def test_ranks_whose_resolved_settings_differ_raise_the_same_line(tmp_path):
 
 @pytest.mark.slow  # CI's time budget
 def test_a_missing_rank_is_one_line_after_the_bounded_wait(tmp_path):
-    """A world of 2 with rank 0 alone, and with rank 1 alone: each says in one line, after ``VASE_DIST_TIMEOUT_S``
-    seconds (here 2), how many ranks joined, or that rank 0 could not be reached; exit 1, nothing written."""
+    """A world of 2 with rank 0 alone, and with rank 1 alone: each says in one line, after ``VASE_DIST_JOIN_S``
+    seconds (here 2), which rank did not join, or that rank 0 could not be reached; exit 1, nothing written."""
     args = [*SMALL, f"results_dir={tmp_path / 'results'}"]
-    alone0 = _by_hand({0: args}, env={"VASE_DIST_TIMEOUT_S": "2"})[0]
-    alone1 = _by_hand({1: args}, env={"VASE_DIST_TIMEOUT_S": "2"})[1]
+    alone0 = _by_hand({0: args}, env={"VASE_DIST_JOIN_S": "2"})[0]
+    alone1 = _by_hand({1: args}, env={"VASE_DIST_JOIN_S": "2"})[1]
     assert alone0.returncode == alone1.returncode == 1
     assert _error_line(alone0).startswith(
-        "error: rank 0: only 1 of 2 ranks joined within 2 s (VASE_DIST_TIMEOUT_S); start every rank"
+        "error: rank 0: only 1 of 2 ranks joined within 2 s (VASE_DIST_JOIN_S) (missing: rank 1); start every rank"
     )
     assert _error_line(alone1).startswith("error: rank 1: could not reach rank 0 at 127.0.0.1:")
-    assert "within 2 s (VASE_DIST_TIMEOUT_S)" in _error_line(alone1)
+    assert "within 2 s (VASE_DIST_JOIN_S)" in _error_line(alone1)
     assert not (tmp_path / "results").exists()
+
+
+def test_the_ranks_wait_for_each_other_a_minute_by_default(monkeypatch):
+    """A missing rank is reported within a minute by default (issue 40: it was 1,800 s, silent); a shorter
+    ``VASE_DIST_TIMEOUT_S`` shortens it, ``VASE_DIST_JOIN_S`` sets it."""
+    monkeypatch.delenv(distributed.JOIN_ENV, raising=False)
+    monkeypatch.delenv(distributed.TIMEOUT_ENV, raising=False)
+    assert distributed.join_seconds() == 60
+    monkeypatch.setenv(distributed.TIMEOUT_ENV, "5")
+    assert distributed.join_seconds() == 5
+    monkeypatch.setenv(distributed.JOIN_ENV, "120")
+    assert distributed.join_seconds() == 120
+    monkeypatch.setenv(distributed.JOIN_ENV, "soon")
+    with pytest.raises(ValueError, match="VASE_DIST_JOIN_S='soon': must be a number of seconds > 0"):
+        distributed.join_seconds()
+
+
+def test_a_missing_rank_is_named_by_the_store():
+    """Rank 0 alone in a world of 3 on a real store: the ranks that never checked in are named (1 and 2)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, 3, is_master=True, timeout=datetime.timedelta(seconds=5),
+                          wait_for_workers=False)  # fmt: skip
+    store.set("vase/test/joined/0", "1")
+    assert distributed._missing_ranks(store, "vase/test/joined", 3) == [1, 2]
 
 
 def test_the_first_difference_names_the_setting_in_rank_0s_order():

@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import TINY_RUN, compose, copy_run, snapshot
 from tests.reliability_registry import Case, Refusal
+from tests.test_preflight_refusals import PREFLIGHT_CASES, PREFLIGHT_REFUSALS
 from tests.test_reliability_hostile import HOSTILE_AREAS, HOSTILE_CASES, HOSTILE_REFUSALS
 from vase.run.results import read_samples
 from vase.run.rundir import lock_run_dir
@@ -443,7 +444,9 @@ CASES = [
     ),
 ]
 REFUSALS += HOSTILE_REFUSALS  # the rows of issue 29 and the hostile pass (tests/test_reliability_hostile.py)
+REFUSALS += PREFLIGHT_REFUSALS  # issue 40's checks that came after a write, and issue 39's traps
 CASES += HOSTILE_CASES
+CASES += PREFLIGHT_CASES
 CASES += [
     Case(
         r.area,

@@ -376,3 +376,39 @@ def test_compile_seconds_and_the_decode_speed_after_them(tmp_path):
     (tmp_path / "throughput.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     got = _throughput(tmp_path)
     assert got["compile_seconds"] == 0 and got["decode_tokens_per_second_after_compile"] is None
+
+
+def test_check_policy_output_refuses_to_resume_unchecked_samples(tmp_path):
+    """``generation.check_policy_output=true`` on a run whose samples were decoded without it: refused in one line,
+    not resumed with nothing checked (issue 39); samples decoded with it carry ``policy_output_checked``."""
+    from types import SimpleNamespace
+
+    from vase.run.planning import check_resumed_output_checks
+
+    on, off = OmegaConf.create({"generation": {"check_policy_output": True}}), _compose(TINY)
+    evicting, full = SimpleNamespace(kind="eviction"), SimpleNamespace(kind="none")
+    checked, plain = {"problem_id": "a", "sample": 0, "policy_output_checked": True}, {"problem_id": "a", "sample": 1}
+    check_resumed_output_checks(on, evicting, tmp_path, [])  # a fresh run
+    check_resumed_output_checks(on, evicting, tmp_path, [checked])  # every finished sample was checked
+    check_resumed_output_checks(off, evicting, tmp_path, [plain])  # no check asked for
+    check_resumed_output_checks(on, full, tmp_path, [plain])  # nothing to check: no keep()
+    with pytest.raises(ValueError, match=r"check_policy_output=true: 1 of the 2 samples .* set run_dir= to a new"):
+        check_resumed_output_checks(on, evicting, tmp_path, [checked, plain])
+
+    base = [sys.executable, "run.py", *TINY, "policy=snapkv", f"results_dir={tmp_path}"]
+    first = subprocess.run(base, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    (run_dir,) = _run_dirs(tmp_path)
+    rows = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and not any("policy_output_checked" in r for r in rows)
+    again = subprocess.run([*base, "generation.check_policy_output=true"], cwd=ROOT, env=ENV, capture_output=True,
+                           text=True, timeout=600)  # fmt: skip
+    assert again.returncode == 2, again.stdout[-1000:]
+    assert "generation.check_policy_output=true: 2 of the 2 samples" in again.stderr
+    assert len(again.stderr.strip().splitlines()) == 1
+    fresh = [*base, "generation.check_policy_output=true", f"run_dir={tmp_path / 'checked'}"]
+    for _ in range(2):  # a fresh checked run, then its resume (every finished sample checked: accepted)
+        ok = subprocess.run(fresh, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+        assert ok.returncode == 0, ok.stderr[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "checked" / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["policy_output_checked"] is True for r in rows)

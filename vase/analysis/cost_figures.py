@@ -17,7 +17,16 @@ import pandas as pd
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from vase.analysis.aggregate import ablation_grids
-from vase.analysis.figure_base import _PALETTE, COLUMN_WIDTH, FigureResult, legend_below, new_figure, policy_color
+from vase.analysis.figure_base import (
+    _PALETTE,
+    COLUMN_WIDTH,
+    FigureResult,
+    legend_below,
+    new_figure,
+    paper_style,
+    policy_color,
+    wrap_to,
+)
 from vase.analysis.labels import (
     MISSING,
     PARAM_NAMES,
@@ -34,6 +43,7 @@ from vase.analysis.load import Tree
 MIB, GIB = 2.0**20, 2.0**30
 
 
+@paper_style
 def figure_ablation_grid(
     summary: pd.DataFrame, res: FigureResult, row_param: str = "n_protect", col_param: str = "attn_temperature"
 ) -> None:
@@ -74,6 +84,7 @@ def figure_ablation_grid(
         res.figures[name] = fig
 
 
+@paper_style
 def figure_matched_memory(summary: pd.DataFrame, res: FigureResult) -> None:
     """Per (model, task): pass@1 against mean retained KV per sample (MiB), one line per policy across its budgets;
     error bars: the 95 % bootstrap interval where computed (``accuracy_ci_low``/``_high``), else ± SE."""
@@ -136,6 +147,7 @@ _PANELS = (
 )
 
 
+@paper_style
 def figure_throughput_memory(tree: Tree, summary: pd.DataFrame, res: FigureResult) -> None:
     """Per model: one horizontal bar per (policy, operating point) and task in each of four stacked panels."""
     rates = _round_rates(tree, summary)
@@ -192,5 +204,5 @@ def figure_throughput_memory(tree: Tree, summary: pd.DataFrame, res: FigureResul
         where = ", ".join(machines) if machines else "machine not recorded"
         if len(tasks) > 1:
             legend_below(fig, *axes[0].get_legend_handles_labels(), ncols=3)
-        fig.suptitle(f"Throughput and memory: {model}\non {where}")
+        fig.suptitle(wrap_to(f"Throughput and memory: {model}\non {where}", 0.95 * COLUMN_WIDTH))
         res.figures[name] = fig

@@ -7,11 +7,13 @@ that width; a figure with many panels grows in height, never past two columns' w
 
 from __future__ import annotations
 
+import functools
 import logging
 import textwrap
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from matplotlib import rc_context
 from matplotlib.figure import Figure
@@ -35,6 +37,22 @@ PAPER_RC = {
     "lines.linewidth": 1.0,
     "lines.markersize": 3.5,
 }
+
+
+F = TypeVar("F", bound=Callable)
+
+
+def paper_style(fn: F) -> F:
+    """Run a figure-making function under :data:`PAPER_RC`: titles, labels, legends and texts take their sizes when
+    they are made (ticks when drawn: :func:`save_figure`), so the whole figure is set at the paper's sizes, not
+    matplotlib's 10-12 pt defaults that overflow a 3.3 in column."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with rc_context(PAPER_RC):
+            return fn(*args, **kwargs)
+
+    return wrapped  # type: ignore[return-value]
 
 
 @dataclass
@@ -72,6 +90,31 @@ _PALETTE = [
 def _wrap(labels: Iterable[str], width: int = 26) -> list[str]:
     """Tick labels wrapped at ``width`` characters (long ablation names)."""
     return [textwrap.fill(str(t), width) for t in labels]
+
+
+def wrap_to(text: str, width_in: float, size: float = PAPER_RC["figure.titlesize"]) -> str:
+    """``text`` with each line broken at spaces so that it is at most ``width_in`` inches wide at ``size`` points
+    (measured with matplotlib's own font metrics; a single word wider than that stays whole)."""
+    from matplotlib.font_manager import FontProperties
+    from matplotlib.textpath import text_to_path
+
+    prop = FontProperties(size=size)
+
+    def inches(s: str) -> float:
+        return text_to_path.get_text_width_height_descent(s, prop, ismath=False)[0] / 72
+
+    out = []
+    for line in text.split("\n"):
+        cur = ""
+        for word in line.split(" "):
+            trial = f"{cur} {word}" if cur else word
+            if cur and inches(trial) > width_in:
+                out.append(cur)
+                cur = word
+            else:
+                cur = trial
+        out.append(cur)
+    return "\n".join(out)
 
 
 def policy_color(policy: str, index: int = 0) -> str:

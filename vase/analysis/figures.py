@@ -23,6 +23,7 @@ from vase.analysis.figure_base import (  # noqa: F401 - re-exported: figures' pu
     _wrap,
     legend_below,
     new_figure,
+    paper_style,
     policy_color,
     save_figure,
 )
@@ -54,6 +55,7 @@ def _panels(n: int, entries: int, extra: float = 0.9) -> tuple[Figure, list]:
     return fig, axes[:n]
 
 
+@paper_style
 def figure_accuracy_vs_budget(summary: pd.DataFrame, res: FigureResult) -> None:
     """Per (model, task): accuracy ± SE vs compression ratio (runs launched with ``ratio=``) and/or vs budget (runs
     launched with ``budget=``), one line per policy identity seen at two or more points; the full cache as a band."""
@@ -99,6 +101,7 @@ def figure_accuracy_vs_budget(summary: pd.DataFrame, res: FigureResult) -> None:
             res.figures[name] = fig
 
 
+@paper_style
 def figure_failure_modes(summary: pd.DataFrame, res: FigureResult) -> None:
     """Per (model, operating point): stacked bars of loop / garbage / truncated / ok per policy, one panel per task;
     ``nonfinite`` and ``prompt_too_long`` get their own segments when a sample of the figure has them."""
@@ -128,6 +131,7 @@ def figure_failure_modes(summary: pd.DataFrame, res: FigureResult) -> None:
             res.figures[name] = fig
 
 
+@paper_style
 def figure_output_lengths(tree: Tree, summary: pd.DataFrame, res: FigureResult) -> None:
     """Per (model, operating point): output-length distributions per policy (violins), one panel per task."""
     s = tree.samples.merge(tree.runs[["run_id", "model", "task", "policy", "short", "op"]], on="run_id")
@@ -159,6 +163,7 @@ def figure_output_lengths(tree: Tree, summary: pd.DataFrame, res: FigureResult) 
             res.figures[name] = fig
 
 
+@paper_style
 def figure_policy_bars(summary: pd.DataFrame, res: FigureResult) -> None:
     """Per (model, task, operating point) with several policies: accuracy bars in the GSM8K pilot's order
     (full, random, evict_large_value, snapkv and its variants, VaSE-AttnV, CurDKV variants); ``gsm8k_pilot_*`` on
@@ -211,6 +216,7 @@ def figure_policy_bars(summary: pd.DataFrame, res: FigureResult) -> None:
                 res.figures[name] = fig
 
 
+@paper_style
 def figure_diversity(diversity: pd.DataFrame, res: FigureResult) -> None:
     """Mean kept-set Jaccard across heads / layers / samples per policy (grouped bars)."""
     name = "cache_diversity"
@@ -228,7 +234,7 @@ def figure_diversity(diversity: pd.DataFrame, res: FigureResult) -> None:
     ax.set_xlabel("mean Jaccard of kept sets")
     ax.set_xlim(0, 1)
     legend_below(fig, ncols=3)
-    ax.set_title("Cache diversity (lower = more diverse)")
+    fig.suptitle("Cache diversity (lower = more diverse)")  # over the figure: long labels narrow the axes
     res.figures[name] = fig
 
 

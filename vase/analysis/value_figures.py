@@ -12,7 +12,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from vase.analysis.figure_base import COLUMN_WIDTH, new_figure, save_figure
+from vase.analysis.figure_base import COLUMN_WIDTH, new_figure, paper_style, save_figure, wrap_to
 from vase.analysis.value_analysis import POSITION_BUCKETS, SINKS, ValueAnalysis
 
 logger = logging.getLogger(__name__)
@@ -23,6 +23,12 @@ def _width(inches: float) -> float:
     return min(max(inches, COLUMN_WIDTH), 2 * COLUMN_WIDTH)
 
 
+def _fit(fig: Figure, title: str, share: float = 0.95) -> str:
+    """``title`` broken into lines that fit ``share`` of ``fig``'s width (a caller's long title, a long definition;
+    an axes' title is centred on the axes, which the tick labels push off the figure's centre: a smaller share)."""
+    return wrap_to(title, share * fig.get_size_inches()[0])
+
+
 def layer_labels(df: pd.DataFrame, layers) -> list[str]:
     """Tick labels of ``layers``: the model's index, ``"<i> sw"`` for a sliding-window layer (its ring's tokens
     only; ``df``'s ``layer_type``, absent in records written before it: full attention)."""
@@ -30,6 +36,7 @@ def layer_labels(df: pd.DataFrame, layers) -> list[str]:
     return [f"{li} sw" if kinds.get(li) == "sliding_attention" else str(li) for li in layers]
 
 
+@paper_style
 def plot_distributions(df: pd.DataFrame, title: str = "") -> Figure:
     """Violins of the value range and the L2 norm per layer (log scale)."""
     layers = sorted(df["layer"].unique())
@@ -46,10 +53,11 @@ def plot_distributions(df: pd.DataFrame, title: str = "") -> Figure:
         ax.set_xlabel("layer (sw: sliding window)" if any(t.endswith(" sw") for t in labels) else "layer")
         ax.set_ylabel(f"log10 value {'range (max - min)' if stat == 'range' else 'L2 norm'}")
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(title or "Value-state magnitude per layer (all heads, all tokens)")
+    fig.suptitle(_fit(fig, title or "Value-state magnitude per layer (all heads, all tokens)"))
     return fig
 
 
+@paper_style
 def plot_share_above(stats: pd.DataFrame, title: str = "") -> Figure:
     """Grouped bars: share of tokens whose range exceeds k × their (layer, head) median, per layer."""
     cols = [c for c in stats.columns if c.startswith("share_above_")]
@@ -69,10 +77,11 @@ def plot_share_above(stats: pd.DataFrame, title: str = "") -> Figure:
     ax.set_ylabel("% of tokens (per head median)")
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
-    ax.set_title(title or "Share of large-value tokens")
+    ax.set_title(_fit(fig, title or "Share of large-value tokens", 0.75))
     return fig
 
 
+@paper_style
 def plot_locations(loc: pd.DataFrame, title: str = "") -> Figure:
     """Stacked horizontal bars: where the large-value tokens sit (position buckets) per layer, vs all tokens
     (``loc``: one definition's rows of :func:`large_value_locations`)."""
@@ -94,10 +103,11 @@ def plot_locations(loc: pd.DataFrame, title: str = "") -> Figure:
     ax.set_xlabel("share of tokens")
     ax.legend(fontsize=7, ncols=3, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     definition = loc["definition"].iloc[0] if len(loc) else ""
-    ax.set_title(title or f"Where the large-value tokens ({definition}) sit", pad=40)
+    ax.set_title(_fit(fig, title or f"Where the large-value tokens ({definition}) sit", 0.75), pad=40)
     return fig
 
 
+@paper_style
 def plot_top_tokens(tokens: pd.DataFrame, title: str = "") -> Figure:
     """Horizontal bars: the text tokens most often large-valued (count over layers × heads × occurrences)."""
     fig = new_figure(2 * COLUMN_WIDTH, 0.16 * max(len(tokens), 1) + 1.0)
@@ -108,7 +118,7 @@ def plot_top_tokens(tokens: pd.DataFrame, title: str = "") -> Figure:
     ax.invert_yaxis()
     ax.set_xlabel("large-value (layer, head, position) entries")
     definition = tokens["definition"].iloc[0] if len(tokens) else ""
-    ax.set_title(title or f"Tokens with large values ({definition}); @p: also a sink at position p")
+    ax.set_title(_fit(fig, title or f"Tokens with large values ({definition}); @p: also a sink at position p", 0.75))
     return fig
 
 
@@ -120,6 +130,7 @@ CORRELATIONS = {
 }
 
 
+@paper_style
 def plot_quant_error(
     df: pd.DataFrame,
     corr: pd.DataFrame,
@@ -160,10 +171,13 @@ def plot_quant_error(
             ax.set_ylabel("relative error")
     for ax in axes[len(layers) :]:
         ax.set_visible(False)
-    fig.suptitle(title or f"Value range vs {bits}-bit quantization error\n(groups of {group_size}; red: sinks)")
+    fig.suptitle(
+        _fit(fig, title or f"Value range vs {bits}-bit quantization error\n(groups of {group_size}; red: sinks)")
+    )
     return fig
 
 
+@paper_style
 def plot_correlation_heatmap(corr: pd.DataFrame, title: str = "", correlation: str = "spearman") -> Figure:
     """Heatmap of the correlation (:data:`CORRELATIONS`) per layer × (bits, group size)."""
     column, symbol, what = CORRELATIONS[correlation]
@@ -179,7 +193,7 @@ def plot_correlation_heatmap(corr: pd.DataFrame, title: str = "", correlation: s
     ax.set_yticks(range(grid.shape[0]), list(grid.index))
     ax.set_xlabel("layer")
     fig.colorbar(im, ax=ax, label=symbol)
-    ax.set_title(title or what)
+    ax.set_title(_fit(fig, title or what, 0.75))
     return fig
 
 

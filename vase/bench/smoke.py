@@ -236,8 +236,9 @@ def transformers_check() -> tuple[bool, str]:
     if req.specifier.contains(have, prereleases=True):
         return True, f"transformers {have} (needs {req.specifier})"
     return False, (
-        f"FAIL: transformers {have} is outside {req.specifier}; offline: `pip download 'transformers{req.specifier}' "
-        "--no-deps -d wheels/` on a connected machine, copy wheels/, then `pip install --no-deps wheels/transformers-*`"
+        f"FAIL: transformers {have} is outside {req.specifier}; without a registry: `python scripts/gpu_carry.py "
+        "--torch <this torch> --hub <this huggingface-hub>` on a connected machine, copy .carry/ here, rerun "
+        "scripts/gpu_smoke.sh (docs/gpus.md)"
     )
 
 

@@ -44,6 +44,52 @@ SCORE_DTYPES = ("float32", "bfloat16")
 EQUIVALENCES = ("math_verify", "authors")
 CODE_EXTRACTIONS = ("harness", "authors")
 
+#: the largest budget (tokens per layer, KV head and sequence): more than any model's context window, so more than a
+#: cache can hold (``ratio=1e-300`` would otherwise make a 300-digit budget and a run directory name to match).
+MAX_BUDGET = 2**24
+
+#: the keys of the ``generation`` group (conf/generation/default.yaml): any other is a typo, ``+`` or not
+GENERATION_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "greedy",
+    "max_length",
+    "attn_backend",
+    "compile",
+    "sync_every",
+    "batching",
+    "max_rows",
+    "kv_memory",
+    "stop_on_loop",
+    "grade_workers",
+    "check_policy_output",
+)
+#: the top-level settings of conf/config.yaml and its groups (``hydra``: Hydra's own node, when composed with it)
+TOP_LEVEL_KEYS = (
+    "ratio",
+    "budget",
+    "window",
+    "seed",
+    "n_samples",
+    "limit",
+    "pass_k",
+    "results_dir",
+    "run_dir",
+    "progress",
+    "record_kept",
+    "raise_errors",
+    "model",
+    "task",
+    "policy",
+    "generation",
+    "protocol",
+    "pilot_row",
+    "logger",
+    "sweep",
+    "hydra",
+)
+
 _ABSENT = object()
 # Decimal (SI) and binary (IEC) byte units; a bare K/M/G/T is refused as ambiguous.
 _UNITS = {
@@ -196,6 +242,9 @@ def _check_top_level(cfg: DictConfig) -> None:
         w = window if _is_int(window) else 64
         if not _is_int(budget) or budget <= w:
             _fail("budget", f"must be an integer > window={w} or null (from ratio)", budget, f"e.g. budget={4 * w}")
+        if budget > MAX_BUDGET:
+            most = f"must be <= {MAX_BUDGET} tokens (the most a cache can hold)"
+            _fail("budget", most, budget, f"e.g. budget={4 * w}")
     _integer(cfg, "seed", None, fix="e.g. seed=0")
     _integer(cfg, "n_samples", 1, nullable=True, null_means="the task's protocol", fix="e.g. n_samples=4")
     _integer(cfg, "limit", 0, nullable=True, null_means="the task's default", fix="e.g. limit=10")
@@ -212,8 +261,26 @@ def _check_top_level(cfg: DictConfig) -> None:
         _boolean(cfg, flag)
 
 
+def _known_keys(node: Any, prefix: str, known: tuple[str, ...], where: str) -> None:
+    """Every key of ``node`` is one of ``known``: a key added with ``+`` (``+generation.compil=on``) is refused like a
+    typo without it, with a did-you-mean."""
+    if not isinstance(node, (DictConfig, Mapping)):
+        return
+    for key in node:
+        if key in known:
+            continue
+        import difflib
+
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+        raise ValueError(
+            f"{prefix}{key}: unknown setting{hint}; {where}: {', '.join(k for k in known if k != 'hydra')}"
+        )
+
+
 def _check_generation(cfg: DictConfig) -> None:
     g = "generation"
+    _known_keys(cfg.get(g), f"{g}.", GENERATION_KEYS, "keys of generation")
     _number(cfg, f"{g}.temperature", low=0, low_open=False, fix=f"0 = greedy; e.g. {g}.temperature=0.6")
     _number(cfg, f"{g}.top_p", low=0, low_open=True, high=1, fix=f"1 = off; e.g. {g}.top_p=0.95")
     _integer(cfg, f"{g}.top_k", 0, fix=f"0 = off; e.g. {g}.top_k=20")
@@ -421,6 +488,7 @@ def check_settings(cfg: DictConfig | Mapping) -> None:
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.create(dict(cfg))
     _check_int_range(cfg)
+    _known_keys(cfg, "", TOP_LEVEL_KEYS, "top-level settings and groups")
     _check_top_level(cfg)
     _check_generation(cfg)
     _check_model(cfg)

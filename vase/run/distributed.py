@@ -28,9 +28,10 @@ How a run is shared (:func:`vase.run.runner.run`):
 Resume: readers take the union of ``samples.jsonl`` and the parts, so a relaunch (any number of ranks) decodes only
 the samples that are in no file: those that were in flight or being graded when a rank died.
 
-Start: the ranks meet at ``MASTER_ADDR:MASTER_PORT`` (:func:`_rendezvous`) and wait at most :data:`TIMEOUT_ENV`
-seconds for each other: a rank that never starts is one line on every rank that did, naming how many joined, never
-a silent wait ending in a traceback. Then every rank compares its command line, settings and run with rank 0's
+Start: the ranks meet at ``MASTER_ADDR:MASTER_PORT`` (:func:`_rendezvous`) and wait at most :data:`JOIN_ENV`
+seconds (60 by default) for each other, saying every 10 s which ranks they wait for: a rank that never starts is one
+line on every rank that did, naming it and how many joined, never a silent wait ending in a traceback. Then every
+rank compares its command line, settings and run with rank 0's
 (:mod:`vase.run.agreement`): ranks started with different settings all stop with the same line naming the first.
 
 Failure: every phase ends in a collective (:meth:`World.step`) where each rank reports success or its error; if any
@@ -68,7 +69,13 @@ T = TypeVar("T")
 TIMEOUT_ENV = "VASE_DIST_TIMEOUT_S"
 #: seconds a rank that finished decoding waits for the slowest one (default 6 h; nothing is lost past it: relaunch).
 WAIT_ENV = "VASE_DIST_WAIT_S"
+#: seconds the ranks wait for each other to start (the rendezvous; default 60, at most :data:`TIMEOUT_ENV`'s): a
+#: missing rank is one line naming it within a minute, not after the collectives' 30 minutes.
+JOIN_ENV = "VASE_DIST_JOIN_S"
 DEFAULT_TIMEOUT_S = 1800
+DEFAULT_JOIN_S = 60
+#: seconds between the lines a rank prints while it waits for the others to join
+JOIN_NOTE_EVERY_S = 10.0
 DEFAULT_WAIT_S = 6 * 3600
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
@@ -355,7 +362,7 @@ def _start(launch: Launch) -> World:
         _slurm_rendezvous(launch)
     timeout = timedelta(seconds=_seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
     if not dist.is_initialized():
-        store = _rendezvous(launch, timeout.total_seconds())
+        store = _rendezvous(launch, join_seconds())
         dist.init_process_group("gloo", store=store, rank=launch.rank, world_size=launch.size, timeout=timeout)
         atexit.register(shutdown)
     wait = dist.new_group(backend="gloo", timeout=timedelta(seconds=_seconds(WAIT_ENV, DEFAULT_WAIT_S)))
@@ -366,6 +373,22 @@ def _start(launch: Launch) -> World:
     world = World(launch.rank, launch.size, local_rank, len(here), launch.source, wait)
     logger.info("rank %d of %d (%s, local rank %d of %d)", world.rank, world.size, world.source, local_rank, len(here))
     return world
+
+
+def join_seconds() -> float:
+    """How long the ranks wait for each other to start: :data:`JOIN_ENV` if set, else :data:`DEFAULT_JOIN_S` (60 s)
+    or :data:`TIMEOUT_ENV`'s value when that is shorter."""
+    if os.environ.get(JOIN_ENV):
+        return _seconds(JOIN_ENV, DEFAULT_JOIN_S)
+    return min(float(DEFAULT_JOIN_S), _seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+
+
+def _missing_ranks(store: Any, prefix: str, size: int) -> list[int]:
+    """The ranks that have not checked in at ``prefix`` (each rank sets ``<prefix>/<rank>``); ``[]`` if unknown."""
+    try:
+        return [r for r in range(size) if not store.check([f"{prefix}/{r}"])]
+    except Exception:  # the store went away
+        return []
 
 
 def _reachable(addr: str, port: int) -> bool:
@@ -382,7 +405,7 @@ def _rendezvous(launch: Launch, seconds: float) -> Any:
 
     As torch's ``env://`` rendezvous: under torchrun every rank is a client of the agent's store
     (``TORCHELASTIC_USE_AGENT_STORE``), else rank 0 hosts it at ``MASTER_ADDR:MASTER_PORT``. Each rank then counts
-    itself in and waits until all ``size`` have, for at most ``seconds`` (:data:`TIMEOUT_ENV`): a rank that never
+    itself in and waits until all ``size`` have, for at most ``seconds`` (:func:`join_seconds`): a rank that never
     starts is one line on every rank that did, naming how many joined (:class:`RankFailed`), not a hang of the default
     30 minutes ending in a traceback.
     """
@@ -399,7 +422,7 @@ def _rendezvous(launch: Launch, seconds: float) -> Any:
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     master = launch.rank == 0 and not agent
     where = f"{addr}:{port}"
-    limit = f"{seconds:g} s ({TIMEOUT_ENV})"
+    limit = f"{seconds:g} s ({JOIN_ENV})"
     deadline = time.monotonic() + seconds
     if not master:  # wait for rank 0 here, quietly (torch's client logs every failed try with a C++ stack)
         while not _reachable(addr, int(port)):
@@ -431,20 +454,36 @@ def _rendezvous(launch: Launch, seconds: float) -> Any:
         ) from None
     key = f"vase/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/joined"
     try:
+        store.set(f"{key}/{launch.rank}", "1")
         joined = store.add(key, 1)
+        noted = time.monotonic()
         while joined < launch.size and time.monotonic() < deadline:
             time.sleep(0.05)
             joined = store.add(key, 0)
+            if time.monotonic() - noted >= JOIN_NOTE_EVERY_S and joined < launch.size:
+                noted = time.monotonic()
+                missing = _missing_ranks(store, key, launch.size)
+                logger.warning(
+                    "rank %d: waiting for rank(s) %s to start (%d of %d joined; giving up %.0f s from now, %s)",
+                    launch.rank,
+                    ", ".join(map(str, missing)) or "?",
+                    joined,
+                    launch.size,
+                    max(0.0, deadline - time.monotonic()),
+                    JOIN_ENV,
+                )
     except Exception as err:  # rank 0 went away (it gave up waiting, or died)
         raise RankFailed(
             f"rank {launch.rank}: lost rank 0's rendezvous at {where} ({_one_line(err)[:200]}); start every one of the "
             f"{launch.size} ranks together and rerun the same command"
         ) from None
     if joined < launch.size:
+        missing = _missing_ranks(store, key, launch.size)
+        which = f" (missing: rank {', '.join(map(str, missing))})" if missing else ""
         raise RankFailed(
-            f"rank {launch.rank}: only {joined} of {launch.size} ranks joined within {limit}; start every rank "
-            f"(torchrun --nproc-per-node {launch.size}, or srun with {launch.size} tasks), or raise {TIMEOUT_ENV}, "
-            "then rerun the same command"
+            f"rank {launch.rank}: only {joined} of {launch.size} ranks joined within {limit}{which}; start every rank "
+            f"(torchrun --nproc-per-node {launch.size}, or srun with {launch.size} tasks; a rank that starts slowly: "
+            f"raise {JOIN_ENV}), then rerun the same command"
         )
     return store
 

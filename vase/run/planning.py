@@ -30,9 +30,9 @@ from omegaconf import DictConfig, OmegaConf
 from vase.engine.memory import auto_dtype
 from vase.engine.sampling import SamplingConfig, sample_seeds
 from vase.engine.scores import score_dtype
-from vase.run.checks import check_protocol_n_protect, check_settings, parse_bytes
+from vase.run.checks import MAX_BUDGET, check_protocol_n_protect, check_settings, parse_bytes
 from vase.run.preflight import check_cache, check_fields, check_model, load_problems, load_tokenizer, no_problems
-from vase.run.protocol import check_authors_data, comparable, data_copy, protocol_knobs, run_tag
+from vase.run.protocol import check_authors_data, check_authors_source, comparable, data_copy, protocol_knobs, run_tag
 from vase.run.protocol import settings as protocol_settings
 from vase.run.results import PROTOCOL, check_protocol, check_resolved, read_json, read_samples, stable_hash
 from vase.run.rundir import check_run_dir
@@ -70,8 +70,20 @@ def build(node: Any, what: str) -> Any:
 
 
 def resolve_budget(reference_tokens: int, ratio: float, window: int) -> int:
-    """``reference / ratio`` rounded to the nearest multiple of ``window`` (at least ``2 * window``)."""
-    return max(2, round(reference_tokens / ratio / window)) * window
+    """``reference / ratio`` rounded to the nearest multiple of ``window`` (at least ``2 * window``).
+
+    Raises:
+        ValueError: one line naming ``ratio`` when the budget would exceed what a cache can hold
+            (:data:`vase.run.checks.MAX_BUDGET` tokens; ``ratio=1e-300`` would make a 300-digit budget).
+    """
+    tokens = reference_tokens / ratio
+    if not tokens <= MAX_BUDGET:  # inf and nan too
+        raise ValueError(
+            f"ratio: {ratio!r} gives budget = {reference_tokens} / {ratio!r} tokens, more than a cache can hold (at "
+            f"most {MAX_BUDGET} tokens); use ratio >= {reference_tokens / MAX_BUDGET:.3g} (e.g. ratio=4), or set "
+            "budget= directly"
+        )
+    return max(2, round(tokens / window)) * window
 
 
 _logged_fallbacks: set[tuple[str, str, int]] = set()
@@ -276,6 +288,7 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
     run_dir = prep.run_dir
     build(cfg.logger, "logger")  # its settings, checked now (it starts after the lock)
     check_run_dir(run_dir, "run_dir" if cfg.run_dir else "results_dir")
+    check_authors_source(prep.task, cfg.get("protocol"))  # protocol=paper without task.data_dir: before the hub
     key = stable_hash([type(prep.task).__qualname__, asdict(prep.task)], 16)
     prep.task, problems = load_problems(prep.task, key, cache)
     if not problems:
@@ -285,6 +298,7 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
     data = {"data": prep.task.resolved_sources(), "data_copy": prep.data_copy}
     check_resolved(run_dir, data, write=False)  # refuse a resume on changed data (read-only)
     done_rows = read_samples(run_dir, for_metrics=True)  # samples.jsonl and the rank part files of a data-parallel run
+    check_resumed_output_checks(cfg, prep.policy, run_dir, done_rows)
     done = {(r["problem_id"], r["sample"]) for r in done_rows}
     pending = [(p, [i for i in range(prep.n_samples) if (p.id, i) not in done]) for p in problems]
     pending = [(p, missing) for p, missing in pending if missing]
@@ -293,9 +307,12 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
         setting = "task.max_length" if cfg.generation.max_length is None else "generation.max_length"
         config = check_model(prep.model_spec, prep.max_length, setting, machine, cache)
         prep.policy.check_model(config)  # fields that depend on the model (Quest's dense_layers), before any weight
-        work = measure(prep, pending, load_tokenizer(prep.model_spec, cache))
+        tokenizer = load_tokenizer(prep.model_spec, cache)
+        work = measure(prep, pending, tokenizer)
+        check_calibration_text(prep.policy, tokenizer)
         spec, _ = resolved_spec(prep, work)
         check_cache(prep, spec, [(w.ids, w.missing) for w in work], config, setting, machine)
+        _check_scale(prep, spec, work, config, machine)
         from vase.engine.compiled import compile_choice  # torch: only once the run has work
 
         # generation.compile=on that cannot run (a selection policy, no C++ compiler on the CPU): one line, now
@@ -304,6 +321,83 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
         check_resolved(run_dir, {"model": prep.model_spec.resolve()}, write=False)  # refuse changed weights
     check_protocol(run_dir, comparable(run_dir, with_dtype(prep, work)), write=False)
     return RunPlan(prep, problems, data, done_rows, work)
+
+
+def _check_scale(prep: Prepared, spec: Any, work: list[Work], config: Any, machine: bool) -> None:
+    """The plan's size in one line when large; a paper-scale plan on a CPU asks for explicit limit= and n_samples=
+    (:func:`vase.run.scale.check_scale`)."""
+    import torch
+
+    from vase.engine.geometry import config_geometry
+    from vase.models import resolve_dtype
+    from vase.run.scale import check_scale
+
+    try:
+        geometry = config_geometry(config, 1, prep.max_length, resolve_dtype(spec.dtype), torch.device("cpu"))
+        row_kv: int | None = int(geometry.kv_bytes_per_row)
+    except Exception:  # a config the estimate cannot read: the size in tokens alone
+        row_kv = None
+    cfg = prep.cfg
+    explicit = (cfg.limit is not None and cfg.n_samples is not None) or cfg.task.get("problem_ids") is not None
+    check_scale(
+        prep.task.name,
+        spec.resolved_device().type,
+        [(len(w.ids), len(w.missing)) for w in work],
+        prep.max_length,
+        row_kv,
+        explicit,
+        machine,
+    )
+
+
+def check_calibration_text(policy: Any, tokenizer: Any) -> None:
+    """A policy's calibration text (TriAttention's) gives the calibration pass at least 2 tokens of this model's
+    tokenizer (its file was read and checked when the policy was built); one line naming the setting otherwise."""
+    path = policy.calibration_input()
+    if path is None:
+        return
+    n = len(tokenizer(Path(path).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"])
+    if n < 2:
+        raise ValueError(
+            f"policy.calibration_text: {str(path)!r} is {n} token(s) long for this model's tokenizer, the calibration "
+            "pass needs at least 2; give a longer plain-text file"
+        )
+
+
+def preflight(cfg: DictConfig, *, multirun: bool = False) -> RunPlan:
+    """The one decision whether a run may start, before Hydra writes anything: the composed config (with Hydra's own
+    node, as ``run.py`` composes it) in, the plan out, or a one-line ``ValueError`` (``run.py`` prints it and exits 2).
+
+    Hydra's output directory must be writable; then :func:`plan` (every check of the run, on this machine unless the
+    launcher is SLURM's, whose nodes check device and memory), and for a single run that no other process holds the
+    run directory. The runner then executes the plan (:func:`vase.run.runner.run` plans again under the same rules
+    before it takes the lock). docs/architecture.md, "Which file decides what", lists what each check decides.
+    """
+    from vase.run.rundir import check_writable, probe_lock
+
+    hydra = cfg.hydra
+    where = hydra.sweep.dir if multirun else hydra.run.dir
+    fix = "point results_dir (or hydra.run.dir / hydra.sweep.dir) at a directory you can write"
+    check_writable(Path(str(where)), "results_dir (Hydra's output directory)", fix)
+    machine = "Slurm" not in str(hydra.launcher.get("_target_", ""))
+    p = plan(cfg, machine=machine, cache=True)
+    if not multirun:
+        probe_lock(p.prep.run_dir)
+    return p
+
+
+def check_resumed_output_checks(cfg: DictConfig, policy, run_dir: Path, done_rows: list[dict]) -> None:
+    """``generation.check_policy_output=true`` on a run that already holds samples decoded without the check: refused
+    in one line (resuming would check only the samples still to decode, and a finished run none at all)."""
+    if policy.kind != "eviction" or not bool(cfg.generation.get("check_policy_output", False)):
+        return
+    unchecked = [r for r in done_rows if not r.get("policy_output_checked")]
+    if unchecked:
+        raise ValueError(
+            f"generation.check_policy_output=true: {len(unchecked)} of the {len(done_rows)} samples in {run_dir} were "
+            "decoded without the check, and a resumed run cannot check them; set run_dir= to a new directory to "
+            "check every answer, or drop the setting to resume this run as it is"
+        )
 
 
 def still_to_do(p: RunPlan, done_rows: list[dict]) -> list[Work]:
@@ -331,9 +425,10 @@ def measure(prep: Prepared, pending, tokenizer=None) -> list[Work]:
             f"generation.max_length: {prep.max_length} leaves no room for output (the shortest prompt has "
             f"{shortest} tokens); raise generation.max_length"
         )
+    fitting = [len(w.ids) for w in work if len(w.ids) < prep.max_length]
+    if fitting:  # the longest prompt first: a fix hint from it (keep_prompt's budget) serves every prompt
+        prep.policy.check_prompt(max(fitting))  # e.g. keep_prompt: the prompt and the window must fit the budget
     for w in work:
-        if len(w.ids) < prep.max_length:
-            prep.policy.check_prompt(len(w.ids))  # e.g. keep_prompt: the prompt and the window must fit the budget
         if len(w.ids) >= prep.max_length:
             logger.warning(
                 "problem %s: its prompt has %d tokens >= generation.max_length=%d; its samples are recorded as "

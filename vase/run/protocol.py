@@ -172,9 +172,32 @@ def data_copy(task: Any) -> dict:
     return {"copy": "authors" if ok else "local", "files": files}
 
 
+def authors_files(task: Any) -> list[str]:
+    """The file names of :data:`AUTHORS_DATA` that ``task`` reads from ``task.data_dir`` (each year's for AIME);
+    known before anything loads."""
+    parts = [task.year_task(y) for y in task.years] if hasattr(task, "year_task") else [task]
+    return [p.local_file for p in parts if getattr(p, "local_file", None) in AUTHORS_DATA]
+
+
+def check_authors_source(task: Any, node: Mapping | None) -> None:
+    """Under a protocol that requires the authors' data (``protocol.require_authors_data``: ``protocol=paper``), a
+    task whose data the authors ship reads their files from ``task.data_dir``: without it the run would read the
+    hub's copies (other files), so it is refused in one line before anything loads."""
+    if not (node or {}).get("require_authors_data") or task.data_dir is not None:
+        return
+    names = authors_files(task)
+    if names:
+        raise ValueError(
+            f"task.data_dir: protocol {settings(node)['name']!r} reads the authors' data files ({', '.join(names)} of "
+            f"{AUTHORS_REPO}), not the hub's copies: set task.data_dir=../shared/data (their files, checked against "
+            "their sha256), or read the hub with protocol.require_authors_data=false"
+        )
+
+
 def check_authors_data(task: Any, node: Mapping | None) -> None:
     """Under a protocol that requires the authors' data (``protocol.require_authors_data``: ``protocol=paper``), a local
-    file of one of the names of :data:`AUTHORS_DATA` must be theirs (its sha256): one line naming it and the fix."""
+    file of one of the names of :data:`AUTHORS_DATA` must be theirs (its sha256), checked once the task has loaded
+    (:func:`check_authors_source` refused a run without ``task.data_dir`` before): one line naming it and the fix."""
     if task.data_dir is None or not (node or {}).get("require_authors_data"):
         return
     for name, entry in data_copy(task)["files"].items():

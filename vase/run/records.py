@@ -379,8 +379,10 @@ def _throughput(run_dir: Path) -> dict:
 def row_maker(prep, problem, finished, text: str, geometry):
     """``grade -> line of samples.jsonl`` for one finished sample of the run ``prep`` (called once it is graded)."""
 
+    checked = prep.policy.kind == "eviction" and bool(prep.cfg.generation.get("check_policy_output", False))
+
     def make(grade) -> dict:
-        return sample_row(
+        row = sample_row(
             problem,
             finished,
             text,
@@ -396,6 +398,9 @@ def row_maker(prep, problem, finished, text: str, geometry):
             policy=prep.policy,
             geometry=geometry,
         )
+        if checked:  # every keep() answer of this sample was checked (generation.check_policy_output)
+            row["policy_output_checked"] = True
+        return row
 
     return make
 

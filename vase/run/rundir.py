@@ -99,6 +99,7 @@ def check_writable(path: Path, setting: str, fix: str) -> None:
     """``path`` is a writable directory, or can be created: its nearest existing ancestor is a writable directory.
     One line naming ``setting`` otherwise (nothing is created)."""
     path = Path(path)
+    _check_links(path, setting, fix)
     if path.exists():
         if not path.is_dir():
             raise ValueError(f"{setting}: {path} is not a directory; {fix}")
@@ -112,6 +113,24 @@ def check_writable(path: Path, setting: str, fix: str) -> None:
         raise ValueError(f"{setting}: {path} cannot be created ({ancestor} is not a directory); {fix}")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise ValueError(f"{setting}: {path} cannot be created ({ancestor} is not writable); {fix}, on a writable disk")
+
+
+def _check_links(path: Path, setting: str, fix: str) -> None:
+    """``path`` and each of its ancestors either exists or is absent: a symbolic link that points nowhere (a dangling
+    link, or a loop) is one line naming it, where ``mkdir`` would fail after Hydra wrote its directory."""
+    for p in [path, *path.absolute().parents]:
+        if p.exists() or not os.path.islink(p):
+            continue
+        try:
+            p.resolve(strict=True)
+            why = "a symbolic link that cannot be followed"
+        except RuntimeError:  # Python < 3.13: a loop
+            why = "a symbolic link loop"
+        except OSError as err:
+            loop = err.errno == errno.ELOOP
+            why = "a symbolic link loop" if loop else f"a dangling symbolic link (to {os.readlink(p)})"
+        where = "" if p == path else f" (on the way to {path})"
+        raise ValueError(f"{setting}: {p} is {why}{where}; remove or repair the link, or {fix}")
 
 
 class RunDirBusy(ValueError):
