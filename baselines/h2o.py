@@ -6,12 +6,14 @@ hitters). H2O's published setting splits the cache evenly between the two (``--h
 ``recent_ratio=0.5`` of the budget here, the engine's ``window`` included) and evicts one token per step
 (``evict_every=1``). Scores are per KV head: the attention of every query head of the group is summed.
 
-What the engine gives: the attention each query paid is recomputed from the query ring at the next eviction, exactly
-(the keys a query attended to are the held ones up to its position: nothing was evicted since). Only the queries
-new since the last call are counted (``inputs.new_queries()``), so none counts twice. The ring holds the last
-``window`` queries: the queries before a row's first eviction but those are not seen (H2O counts the whole prompt's
-attention), and with ``evict_every > window`` the older ones of each period are missed. With ``keep_prompt`` the
-pinned prompt is not among the keys, so each query's softmax runs over the candidates and the window only.
+What the engine gives: every query counts, from the prompt on, as in H2O. The prefill's attention (each prompt
+token's causal softmax column sum over every prompt query, computed in chunks) seeds the state (``accumulates``:
+:meth:`H2O.prefill_state`); before a row's first eviction the engine shows :meth:`H2O.keep` the query ring each time
+it holds ``window`` new queries (an observation: every candidate kept); from then on each call counts the ring's
+queries new since the last one (``inputs.new_queries()``), exactly (the keys a query attended to are the held ones up
+to its position: nothing was evicted since). With ``evict_every > window`` the older queries of each period are
+missed. With ``keep_prompt`` the pinned prompt is not among the keys, so each decode query's softmax runs over the
+candidates and the window only.
 
 The walkthrough of ``docs/policies.md`` builds this file step by step.
 """
@@ -63,11 +65,16 @@ class H2O(EvictionPolicy):
     name: ClassVar[str] = "h2o"
     display_name: ClassVar[str] = "H2O"
     needs_queries: ClassVar[bool] = True
+    accumulates: ClassVar[bool] = True
 
     def validate(self) -> None:
         super().validate()
         r = self.recent_ratio
         _check(isinstance(r, (int, float)) and 0 <= r <= 1, "policy.recent_ratio", f"must be in [0, 1], got {r!r}")
+
+    def prefill_state(self, positions: torch.Tensor, attention: torch.Tensor, capacity: int) -> dict:
+        """The prompt's accumulated attention (``(1, H, P)``, every prompt query counted) as the state to start from."""
+        return TokenState("h2o").initial(positions, attention, capacity)
 
     def keep(self, inputs: EvictionInputs) -> torch.Tensor:
         """``(B, H, n_keep)`` int64: the sinks and recent candidates, then by decreasing accumulated attention."""

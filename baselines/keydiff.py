@@ -1,10 +1,12 @@
 """KeyDiff (Park et al., arXiv 2504.15364): keep the keys least similar to the mean key.
 
-Per (row, KV head) the anchor is the mean of the L2-normalised held keys (the candidates and the recent window, as
-the paper's block-wise eviction scores the cache together with the incoming block); a candidate's score is minus its
-cosine similarity to the anchor, and the ``n_keep`` highest are kept (the ``sinks`` first tokens always). No
-attention, no queries: the score needs only the keys, so it works with fused attention kernels, which is the paper's
-point. kvpress's ``KeyDiffPress`` scores the same way.
+Per (row, KV head) the anchor is the mean of the L2-normalised held keys (the candidates and any protected recent
+tokens, as the paper's block-wise eviction scores the cache together with the incoming block); a candidate's score is
+minus its cosine similarity to the anchor, and the ``n_keep`` highest are kept (the ``sinks`` first tokens always).
+No attention, no queries: the score needs only the keys, so it works with fused attention kernels, which is the
+paper's point. kvpress's ``KeyDiffPress`` scores the same way and scores every key of the block: no recent token is
+protected (``protect_recent=0``, the default here; ``protect_recent=null`` protects the engine's ``window``, the
+harness's earlier variant).
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ def keydiff_score(keys: torch.Tensor, anchor_keys: torch.Tensor | None = None) -
 
 @dataclass
 class KeyDiff(EvictionPolicy):
-    """Keep the ``n_keep`` candidates whose keys are least similar to the mean key; ``sinks`` first (default 0)."""
+    """Keep the ``n_keep`` candidates whose keys are least similar to the mean key; ``sinks`` first (default 0); every
+    held key a candidate (``protect_recent=0``, as kvpress)."""
 
     sinks: int = 0
+    protect_recent: int | None = 0
 
     name: ClassVar[str] = "keydiff"
     display_name: ClassVar[str] = "KeyDiff"

@@ -19,19 +19,26 @@ scorer's form; ``tests/test_triattention.py`` checks it against the RoPE-inverte
 Defaults are the authors' launch defaults (``scripts/cli.py``): the prompt is kept and counts in the budget
 (``count_prompt_tokens``, prefill never compressed: ``keep_prompt=true``), compression every 128 steps
 (``divide_length``: ``evict_every=128``, the slack trigger ``budget + 128``), offsets up to 65536, mean over
-offsets, z-score normalisation, per KV head. The recent ``window`` is kept by the engine (their vLLM path protects a
-window of 128; the HF path none).
+offsets, z-score normalisation, and their per-head mode (``per_head_pruning=True`` in ``cli.py`` and their experiment
+configs): ``selection=per_head`` keeps **one set per KV head shared by every layer of a row**, scored by the mean over
+the layers of the per-layer group max (their ``_select_per_head_independent``); the engine hands every full layer of
+a row to one :meth:`TriAttention.keep` call (``EvictionInputs.layers_per_row``), so the layers of a row hold the same
+positions throughout. ``selection=per_layer_head`` is their optional ``per_layer_perhead_pruning`` mode (one set per
+(layer, KV head), group max). The window as their HF path runs it: ``protect_recent=0``, every decode token is a
+candidate (their vLLM path protects 128: ``protect_recent=128`` with ``window=128``).
 
 Calibration, as the authors do it (``scripts/calibrate.py``): one forward pass of the model over a plain text
-(default: ``baselines/data/triattention_calibration.txt``, at most ``calibration_tokens`` tokens, their 32768), the
-query states of every attention layer captured, RoPE inverted with the model's own rotary embedding, and per (layer,
-query head, frequency) the complex mean ``q̄`` and the mean modulus ``m`` kept. The runner tokenises the text, calls
-:meth:`TriAttention.calibrate` before decoding and saves the centres in the run directory (``calibration.pt``) with
-the text's sha256 and token count in ``manifest.json``; a resumed run reloads them. One difference: the queries are
-read inside the attention call (after Qwen3's ``q_norm``, as the model attends with them), where their script
-recomputes ``q_proj`` in a hook (no ``q_norm``). Their per-head mode shares one selection per KV head across
-layers (the HF path compresses all layers at once); the engine evicts layer by layer, so this is their
-per-(layer, KV head) mode (``per_layer_perhead_pruning``, group max).
+(default: ``baselines/data/triattention_calibration.txt``, 13,191 tokens with Qwen3's tokenizer; at most
+``calibration_tokens`` tokens, their ``--max-length`` 32768: give a longer text with ``calibration_text``), and per
+(layer, query head, frequency) the complex mean ``q̄`` and the mean modulus ``m`` of the pre-RoPE queries.
+``query_source=q_proj`` (default, theirs): a forward pre-hook on each ``self_attn`` records ``q_proj`` of its input,
+without Qwen3's ``q_norm`` (times RoPE's attention scaling, as their rotate-then-invert leaves it);
+``query_source=attention``: the queries the model attends with (after ``q_norm``), RoPE inverted. The runner tokenises
+the text, calls :meth:`TriAttention.calibrate` before decoding and saves the centres in the run directory
+(``calibration.pt``) with the text's sha256 and token count in ``manifest.json``; a resumed run reloads them.
+``stats_file``: the authors' own statistics file (``calibrate.py``'s output, ``{"metadata", "stats":
+{"layerLL_headHH": {"q_mean_real", "q_mean_imag", "q_abs_mean"}}}``) is used instead of a calibration pass (the
+runner still reads the text; the model's rotary embedding gives the frequencies).
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "triattention_calibration.txt"
 AGGREGATIONS = ("mean", "max")
 GROUP_REDUCE = ("max", "mean")
+SELECTIONS = ("per_head", "per_layer_head")
+QUERY_SOURCES = ("q_proj", "attention")
 
 
 def complex_pairs(x: torch.Tensor) -> torch.Tensor:
@@ -146,6 +155,46 @@ class _QueryStats:
         self.abs[layer] = z.abs().mean(dim=1)
 
 
+def _q_proj_hooks(model, stats: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float) -> list:
+    """Forward pre-hooks on every ``self_attn`` recording, per layer, the complex mean ``(Hq, F)`` and mean modulus of
+    ``q_proj`` of the attention's input (``(1, T, hidden)``), without ``q_norm``, times ``scale`` (the authors')."""
+    heads = model.config.num_attention_heads
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        attn = getattr(layer, "self_attn", None)
+        if attn is None:
+            continue
+
+        def hook(module, args, kwargs, i=i):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            q = module.q_proj(hidden).float() * scale  # (1, T, Hq * D)
+            z = complex_pairs(q.view(q.shape[1], heads, -1).transpose(0, 1))  # (Hq, T, F)
+            stats[i] = (z.mean(dim=1), z.abs().mean(dim=1))
+
+        handles.append(attn.register_forward_pre_hook(hook, with_kwargs=True))
+    return handles
+
+
+def read_stats_file(path: str | Path, layers: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The authors' statistics file (``scripts/calibrate.py``'s output) as ``q_mean (L, Hq, F, 2)``, ``q_abs (L, Hq,
+    F)`` float32; one line naming ``policy.stats_file`` when a (layer, head) of the model is missing."""
+    payload = torch.load(path, map_location="cpu", weights_only=False)
+    _check(isinstance(payload, dict) and "stats" in payload, "policy.stats_file", f"{path}: no 'stats' entry")
+    mean, mod = [], []
+    for layer in range(layers):
+        for head in range(heads):
+            entry = payload["stats"].get(f"layer{layer:02d}_head{head:02d}")
+            _check(
+                entry is not None,
+                "policy.stats_file",
+                f"{path} has no statistics for layer {layer} head {head}; calibrate for this model",
+            )
+            mean.append(torch.stack([entry["q_mean_real"].float(), entry["q_mean_imag"].float()], dim=-1))
+            mod.append(entry["q_abs_mean"].float())
+    f = mod[0].shape[-1]
+    return torch.stack(mean).view(layers, heads, f, 2), torch.stack(mod).view(layers, heads, f)
+
+
 def _check_rope(model_config) -> None:
     """TriAttention models RoPE over the whole head dim of every layer: refuse partial RoPE and NoPE (one line)."""
     partial = partial_rope(model_config)
@@ -195,6 +244,11 @@ class TriAttention(EvictionPolicy):
         trig, mlr: keep the distance term; use ``m - |q̄|`` in the norm term (``False``: the authors' ablations).
         calibration_text: the plain-text file of the calibration pass (``None``: the harness's own).
         calibration_tokens: at most this many tokens of it (the authors' ``--max-length``).
+        selection: ``per_head`` (one set per KV head for every layer of a row; the authors' runs) or
+            ``per_layer_head`` (one per (layer, KV head); their ``per_layer_perhead_pruning``).
+        query_source: ``q_proj`` (the authors' calibration: ``q_proj`` outputs, no ``q_norm``) or ``attention``.
+        stats_file: the authors' statistics ``.pt`` used instead of a calibration pass (``None``: calibrate).
+        protect_recent: the recent tokens the engine protects (``0``: none, the authors' HF path).
     """
 
     sinks: int = 0
@@ -208,6 +262,10 @@ class TriAttention(EvictionPolicy):
     mlr: bool = True
     calibration_text: str | None = None
     calibration_tokens: int = 32768
+    selection: str = "per_head"
+    query_source: str = "q_proj"
+    stats_file: str | None = None
+    protect_recent: int | None = 0
 
     name: ClassVar[str] = "triattention"
     head_parallel: ClassVar[str | None] = "its calibrated Q centres are per query head of the whole model"
@@ -226,6 +284,14 @@ class TriAttention(EvictionPolicy):
             self.group_reduce in GROUP_REDUCE,
             "policy.group_reduce",
             f"must be one of {', '.join(GROUP_REDUCE)}, got {self.group_reduce!r}",
+        )
+        for field_name, allowed in (("selection", SELECTIONS), ("query_source", QUERY_SOURCES)):
+            value = getattr(self, field_name)
+            _check(value in allowed, f"policy.{field_name}", f"must be one of {', '.join(allowed)}, got {value!r}")
+        _check(
+            self.stats_file is None or Path(self.stats_file).is_file(),
+            "policy.stats_file",
+            f"no such file {self.stats_file!r}; give the authors' statistics .pt (calibrate.py's output) or null",
         )
         for flag in ("normalize", "trig", "mlr"):
             _check(isinstance(getattr(self, flag), bool), f"policy.{flag}", "must be true or false")
@@ -255,25 +321,54 @@ class TriAttention(EvictionPolicy):
         "tokens"}`` (what :meth:`load_calibration` takes and the runner saves).
         """
         _check_rope(model.config)
+        rotary = model.model.rotary_emb
+        scale = float(getattr(rotary, "attention_scaling", 1.0))
+        cfg = model.config
+        if self.stats_file is not None:  # the authors' shipped statistics: no pass
+            q_mean, q_abs = read_stats_file(self.stats_file, cfg.num_hidden_layers, cfg.num_attention_heads)
+            record = {"q_mean": q_mean, "q_abs": q_abs, "inv_freq": rotary.inv_freq.float().cpu()}
+            record.update({"attention_scaling": scale, "tokens": 0})
+            self.load_calibration(record, device=next(model.parameters()).device)
+            logger.info("triattention: Q centres read from %s", self.stats_file)
+            return record
         ids = input_ids.reshape(1, -1)[:, : self.calibration_tokens].to(next(model.parameters()).device)
         t = ids.shape[1]
-        rotary = model.model.rotary_emb
+        if t < self.calibration_tokens:
+            logger.warning(
+                "triattention: the calibration text has %d tokens, fewer than calibration_tokens=%d (the authors'"
+                " 32768); give a longer policy.calibration_text to calibrate as they do",
+                t,
+                self.calibration_tokens,
+            )
         pos = torch.arange(t, device=ids.device)[None]
-        probe = torch.zeros(1, t, 1, dtype=torch.float32, device=ids.device)
-        cos, sin = rotary(probe, pos)
-        stats = _QueryStats(cos[0].float(), sin[0].float(), float(getattr(rotary, "attention_scaling", 1.0)))
-        with torch.inference_mode(), vase_attention(model):
-            model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, vase_on_query=stats)
-        layers = sorted(stats.mean)
+        found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.query_source == "q_proj":
+            handles = _q_proj_hooks(model, found, scale)
+            try:
+                with torch.inference_mode():
+                    model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            means, mods = {i: m for i, (m, _) in found.items()}, {i: a for i, (_, a) in found.items()}
+        else:
+            probe = torch.zeros(1, t, 1, dtype=torch.float32, device=ids.device)
+            cos, sin = rotary(probe, pos)
+            stats = _QueryStats(cos[0].float(), sin[0].float(), scale)
+            with torch.inference_mode(), vase_attention(model):
+                model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1, vase_on_query=stats)
+            means, mods = stats.mean, stats.abs
+        layers = sorted(means)
         record = {
-            "q_mean": torch.stack([torch.view_as_real(stats.mean[i]) for i in layers]).cpu(),
-            "q_abs": torch.stack([stats.abs[i] for i in layers]).cpu(),
+            "q_mean": torch.stack([torch.view_as_real(means[i]) for i in layers]).cpu(),
+            "q_abs": torch.stack([mods[i] for i in layers]).cpu(),
             "inv_freq": rotary.inv_freq.float().cpu(),
-            "attention_scaling": stats.scale,
+            "attention_scaling": scale,
             "tokens": t,
         }
         self.load_calibration(record, device=ids.device)
-        logger.info("triattention: calibrated the Q centres of %d layers on %d tokens", len(layers), t)
+        logger.info("triattention: calibrated the Q centres of %d layers on %d tokens (%s)", len(layers), t,
+                    self.query_source)  # fmt: skip
         return record
 
     def load_calibration(self, record: dict, device: torch.device | str | None = None) -> None:
@@ -309,9 +404,16 @@ class TriAttention(EvictionPolicy):
 
     # ---- the rule -----------------------------------------------------------------------------------------------
     def keep(self, inputs: EvictionInputs) -> torch.Tensor:
-        """``(B, H, n_keep)`` int64: the sinks, then by decreasing normalised, group-reduced TriAttention score."""
+        """``(B, H, n_keep)`` int64: the sinks, then by decreasing normalised, group-reduced TriAttention score; with
+        ``selection=per_head`` one set per KV head for the ``inputs.layers_per_row`` layers of each row (their
+        per-layer group-reduced scores averaged), else per (layer, KV head)."""
         b, h, n, _ = inputs.shape
-        now = inputs.window_positions.amax(dim=(1, 2)) + 1  # (B,) the rows' sequence length
+        held = (
+            inputs.positions
+            if inputs.window_positions is None
+            else torch.cat([inputs.positions, inputs.window_positions], dim=-1)
+        )
+        now = held.amax(dim=(1, 2)) + 1  # (B,) the rows' sequence length
         score = triattention_score(
             inputs.keys,
             now,
@@ -331,5 +433,12 @@ class TriAttention(EvictionPolicy):
         hq = score.shape[1]
         score = score + 1e-6 * inputs.rand(hq, n)  # the authors' tie-break
         grouped = score.view(b, h, hq // h, n)
-        score = grouped.amax(dim=2) if self.group_reduce == "max" else grouped.mean(dim=2)
-        return topk_with_protection(score, inputs.n_keep, protected=inputs.positions < self.sinks)
+        score = grouped.amax(dim=2) if self.group_reduce == "max" else grouped.mean(dim=2)  # (B, H, N)
+        if self.selection == "per_layer_head":
+            return topk_with_protection(score, inputs.n_keep, protected=inputs.positions < self.sinks)
+        per_row = inputs.layers_per_row  # the layers of a row hold the same positions (one set per KV head)
+        rows = b // per_row
+        score = score.view(rows, per_row, h, n).mean(dim=1)  # mean over the layers of the per-layer group max
+        protected = inputs.positions.view(rows, per_row, h, n)[:, 0] < self.sinks
+        keep = topk_with_protection(score, inputs.n_keep, protected=protected)  # (rows, H, n_keep)
+        return keep[:, None].expand(rows, per_row, h, inputs.n_keep).reshape(b, h, inputs.n_keep)

@@ -28,12 +28,14 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from tests.policy_configs import ALL_CONFIGS, configs_of_kind, small_config
+from tests.authors_rules import AUTHORS_RULES, check_rule_on_geometry
+from tests.policy_configs import ALL_CONFIGS, calibrate, configs_of_kind, small_config
 from tests.test_engine import check_eviction_equals_masking
 from tests.test_hybrid_models import TWO_KV, check_stepwise_eviction_equals_masking, masking_model
 from tests.test_policies_e2e import run_and_check
 from tests.test_sliding_families import _model
 from vase.engine import generate
+from vase.engine.geometry import config_layer_types
 from vase.models import tiny_model
 
 FAMILIES = ("qwen3_5", "gpt_oss")
@@ -100,15 +102,43 @@ def test_the_matrix_covers_every_config_and_names_only_real_cells():
     for family, name in set(REFUSED) | set().union(*DEFAULT.values()):
         assert family in FAMILIES and name in ALL_CONFIGS, (family, name)
     assert DEFAULT["refused"] <= set(REFUSED) and not (DEFAULT["run"] | DEFAULT["masking"]) & set(REFUSED)
-    runs, refused = _cells("run", ALL_CONFIGS), _cells("refused", ALL_CONFIGS)
-    assert len(runs) + len(refused) == len(FAMILIES) * len(ALL_CONFIGS) and len(refused) == len(REFUSED)
+    # the cells the tests below are parametrised with (not _cells again): every (family, config) exactly once, the
+    # refused ones exactly REFUSED, every eviction config that runs also in the masking cells
+    runs, refused, masking = (_params(f) for f in (test_policy_runs_end_to_end, test_policy_is_refused_in_one_line,
+                                                   test_eviction_equals_masking))  # fmt: skip
+    every = {(f, n) for f in FAMILIES for n in ALL_CONFIGS}
+    assert len(runs) == len(set(runs)) and len(refused) == len(set(refused)), "a cell twice"
+    assert set(runs) | set(refused) == every and not set(runs) & set(refused)
+    assert set(refused) == set(REFUSED)
+    assert set(masking) == {(f, n) for f, n in runs if n in configs_of_kind("eviction")}
+
+
+def _params(test) -> list[tuple[str, str]]:
+    """The ``(family, name)`` cells ``test`` is parametrised with (its ``parametrize`` mark)."""
+    (mark,) = [m for m in test.pytestmark if m.name == "parametrize"]
+    return [tuple(p.values) for p in mark.args[1]]
+
+
+def check_rule_on_family(name: str, model, policy) -> None:
+    """A config with a port of its authors' rule (tests/authors_rules.py) keeps that rule's set on random inputs of the
+    family's geometry (its full-attention layers, KV and query heads, head dim): the cell fails with a wrong rule."""
+    if name not in AUTHORS_RULES:
+        return
+    cfg = model.config
+    layer_ids = [i for i, t in enumerate(config_layer_types(cfg)[0]) if t == "full_attention"]
+    h, hq = cfg.num_key_value_heads, cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    policy = calibrate(policy, layers=cfg.num_hidden_layers, q_heads=hq, head_dim=d)
+    check_rule_on_geometry(policy, name, h, hq, d, layer_ids)
 
 
 @pytest.mark.parametrize(("family", "name"), _cells("run", ALL_CONFIGS))
 def test_policy_runs_end_to_end(family, name, tmp_path):
     """The preflight accepts the model, and tests/test_policies_e2e.py's checks hold on its full-attention layers."""
     model = family_model(family)
-    uncalibrated(name, model, tmp_path).check_model(model.config)
+    policy = uncalibrated(name, model, tmp_path)
+    policy.check_model(model.config)
+    check_rule_on_family(name, model, policy)
     out = run_and_check(model, _prompt(), name, budget=32, window=8, new_tokens=64, tmp_path=tmp_path)
     assert out is not None, f"{name}: refused the prompt (keep_prompt)"
 

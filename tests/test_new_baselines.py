@@ -148,17 +148,90 @@ def test_invert_rope_undoes_the_models_rope(arch):
     assert torch.allclose(invert_rope(rotated, cos[0], sin[0], scale), x, atol=1e-5)
 
 
-def test_triattention_calibration_is_the_mean_pre_rope_query():
-    """The calibration pass: per (layer, query head, frequency), the complex mean and the mean modulus of the
-    pre-RoPE queries the model attends with; checked on layer 0 against the queries recomputed from its weights
-    (embedding, input norm, q_proj, Qwen3's q_norm)."""
+def authors_calibration(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A port of the authors' ``scripts/calibrate.py`` (read, not copied): a forward pre-hook on every ``self_attn``
+    recomputes ``q_proj`` of its input (no ``q_norm``), applies RoPE times the attention scaling, inverts it, and
+    keeps per (layer, head) the complex mean and mean modulus of the pairs ``x_f + i x_{f+D/2}``; float64 here."""
+    cfg, rotary = model.config, model.model.rotary_emb
+    hq, d = cfg.num_attention_heads, cfg.head_dim
+    scale = float(getattr(rotary, "attention_scaling", 1.0))
+    captured = {}
+
+    def hook(i):
+        def fn(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            t = hidden.shape[1]
+            q = module.q_proj(hidden).double().view(1, t, hq, d).transpose(1, 2)
+            cos, sin = rotary(torch.zeros(1, t, d), torch.arange(t)[None])
+            cos, sin = cos.double()[:, None], sin.double()[:, None]
+            half = torch.cat((-q[..., d // 2 :], q[..., : d // 2]), dim=-1)
+            captured[i] = (q * cos + half * sin) * scale  # as their hook: rotated, times the scaling
+
+        return fn
+
+    handles = [layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
+               for i, layer in enumerate(model.model.layers)]  # fmt: skip
+    with torch.no_grad():
+        model(ids[None])
+    for handle in handles:
+        handle.remove()
+    t = ids.shape[0]
+    cos, sin = rotary(torch.zeros(1, t, d), torch.arange(t)[None])
+    cos, sin = cos.double()[:, None], sin.double()[:, None]
+    means, mods = [], []
+    for i in range(cfg.num_hidden_layers):
+        base = captured[i] / scale
+        cu, su = cos / scale, sin / scale
+        q = base * cu - torch.cat((-base[..., d // 2 :], base[..., : d // 2]), dim=-1) * su  # their _invert_rope
+        z = torch.complex(q[0, ..., : d // 2], q[0, ..., d // 2 :])  # (Hq, T, F)
+        means.append(z.mean(dim=1))
+        mods.append(z.abs().mean(dim=1))
+    return torch.stack(means), torch.stack(mods)
+
+
+def fixed_text_ids(vocab: int, n: int = 120) -> torch.Tensor:
+    """A fixed text: the first ``n`` bytes of the default calibration text as token ids (the tiny model has no
+    tokenizer)."""
+    from baselines.triattention import DEFAULT_TEXT
+
+    return torch.tensor(list(DEFAULT_TEXT.read_bytes()[:n]), dtype=torch.long) % vocab
+
+
+def test_triattention_calibration_equals_the_authors_statistics_on_a_fixed_text():
+    """The default calibration (``query_source=q_proj``) equals the port of the authors' ``calibrate.py``; the former
+    default (the queries attended with, after Qwen3's ``q_norm``) does not: the failing-first run, kept."""
+    model = tiny_model("qwen3")
+    cfg = model.config
+    ids = fixed_text_ids(cfg.vocab_size)
+    want_mean, want_abs = authors_calibration(model, ids)
+    policy = TriAttention(budget=64, window=16)
+    record = policy.calibrate(model, ids)
+    assert record["q_mean"].shape == (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim // 2, 2)
+    assert record["tokens"] == ids.numel()
+    got = torch.view_as_complex(record["q_mean"]).to(torch.complex128)
+    # a mean over the text of float32 queries that are sums over the hidden width, against float64
+    tol = close(torch.float32, ids.numel() + cfg.hidden_size, scale=want_abs.max().item())
+    torch.testing.assert_close(got, want_mean, **tol)
+    torch.testing.assert_close(record["q_abs"].double(), want_abs, **tol)
+    assert torch.equal(record["inv_freq"], model.model.rotary_emb.inv_freq.float())
+    old = TriAttention(budget=64, window=16, query_source="attention").calibrate(model, ids)
+    assert (torch.view_as_complex(old["q_mean"]).to(torch.complex128) - want_mean).abs().max().item() > 100 * tol[
+        "atol"
+    ]
+    # the policy uses what it calibrated, and a reload gives the same answers
+    policy.setup(cfg)
+    other = TriAttention(budget=64, window=16)
+    other.load_calibration(record)
+    assert torch.equal(other._q_mean, policy._q_mean)
+
+
+def test_triattention_attention_source_is_the_mean_pre_rope_query_attended_with():
+    """``query_source=attention``: the pre-RoPE queries after Qwen3's ``q_norm`` (recomputed from layer 0's weights)."""
     model = tiny_model("qwen3")
     cfg = model.config
     ids = torch.randint(0, cfg.vocab_size, (80,), generator=torch.Generator().manual_seed(0))
-    policy = TriAttention(budget=64, window=16)
-    record = policy.calibrate(model, ids)
+    record = TriAttention(budget=64, window=16, query_source="attention").calibrate(model, ids)
     hq, d = cfg.num_attention_heads, cfg.head_dim
-    assert record["q_mean"].shape == (cfg.num_hidden_layers, hq, d // 2, 2) and record["tokens"] == 80
     attn = model.model.layers[0].self_attn
     with torch.no_grad():
         hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids[None]))
@@ -168,12 +241,31 @@ def test_triattention_calibration_is_the_mean_pre_rope_query():
     tol = close(torch.float32, 80 + cfg.hidden_size, scale=z.abs().max().item())
     torch.testing.assert_close(torch.view_as_complex(record["q_mean"][0]), z.mean(1), **tol)
     torch.testing.assert_close(record["q_abs"][0], z.abs().mean(1), **tol)
-    assert torch.equal(record["inv_freq"], model.model.rotary_emb.inv_freq.float())
-    # the policy uses what it calibrated, and a reload gives the same answers
-    policy.setup(cfg)
-    other = TriAttention(budget=64, window=16)
-    other.load_calibration(record)
-    assert torch.equal(other._q_mean, policy._q_mean)
+
+
+def test_triattention_reads_the_authors_statistics_file(tmp_path):
+    """``stats_file``: calibrate.py's output format is read instead of a pass (layer/head keys, real/imag/abs)."""
+    model = tiny_model("qwen3")
+    cfg = model.config
+    mean, mod = authors_calibration(model, fixed_text_ids(cfg.vocab_size))
+    stats = {
+        f"layer{li:02d}_head{hi:02d}": {
+            "q_mean_real": mean[li, hi].real.float(),
+            "q_mean_imag": mean[li, hi].imag.float(),
+            "q_abs_mean": mod[li, hi].float(),
+        }
+        for li in range(cfg.num_hidden_layers)
+        for hi in range(cfg.num_attention_heads)
+    }
+    path = tmp_path / "stats.pt"
+    torch.save({"metadata": {"head_dim": cfg.head_dim}, "stats": stats}, path)
+    record = TriAttention(budget=64, window=16, stats_file=str(path)).calibrate(model, torch.zeros(4, dtype=torch.long))
+    assert torch.equal(torch.view_as_complex(record["q_mean"]), mean.to(torch.complex64))
+    assert torch.equal(record["q_abs"], mod.float())
+    del stats["layer01_head03"]
+    torch.save({"stats": stats}, path)
+    with pytest.raises(ValueError, match=r"^policy\.stats_file: .* has no statistics for layer 1 head 3"):
+        TriAttention(budget=64, window=16, stats_file=str(path)).calibrate(model, torch.zeros(4, dtype=torch.long))
 
 
 def test_triattention_refuses_to_decode_uncalibrated_or_with_another_models_centres():

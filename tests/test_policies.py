@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from baselines.evict_large_value import EvictLargeValue
 from baselines.rkv import RKV
 from baselines.snapkv import SnapKV
+from tests.authors_rules import AUTHORS_RULES, check_rule_on_geometry
 from tests.policy_configs import ALL_CONFIGS, CONF, calibrate  # every conf/policy/*.yaml
 from vase.engine.policy import EvictionInputs, SelectionInputs
 from vase.engine.scores import (
@@ -556,3 +557,31 @@ def test_n_protect_forms():
     assert load_policy("snapkv_protect", budget=4096, window=64).protect_count == 1024
     assert load_policy("snapkv", budget=512, window=64).protect_count == 0
     assert load_policy("snapkv", budget=512, window=64, sinks=4).protect_count == 4  # sinks always kept
+
+
+# ---- the authors' rules (tests/authors_rules.py) ---------------------------------------------------------------------
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", sorted(AUTHORS_RULES))
+def test_kept_set_equals_the_authors_rule(name, layout):
+    """Each config with a port of its authors' rule keeps the rule's set on random inputs of an eviction event: three
+    layers of two sequences at once (TriAttention's per-head mode shares one set across the layers of a sequence)."""
+    h, hq = LAYOUTS[layout]
+    assert name in kinds("eviction")
+    policy = calibrate(load_policy(name), layers=3, q_heads=hq, head_dim=DIM)
+    check_rule_on_geometry(policy, name, h, hq, DIM, [0, 1, 2])
+
+
+def test_an_inverted_rule_fails_the_authors_rule_check(monkeypatch):
+    """The check can fail: H2O keeping its lowest scores (its rule inverted) and TriAttention's per-(layer, head) mode
+    (the harness's former default) both keep other sets than their authors' rules."""
+    import baselines.h2o as h2o
+
+    h, hq = LAYOUTS["gqa"]
+    inverted = h2o.topk_with_protection
+    monkeypatch.setattr(h2o, "topk_with_protection", lambda score, k, protected: inverted(-score, k, protected))
+    with pytest.raises(AssertionError, match="keeps another set than its authors' rule"):
+        check_rule_on_geometry(load_policy("h2o"), "h2o", h, hq, DIM, [0, 1, 2])
+    monkeypatch.undo()
+    old = calibrate(load_policy("triattention", selection="per_layer_head"), layers=3, q_heads=hq, head_dim=DIM)
+    with pytest.raises(AssertionError, match="keeps another set than its authors' rule"):
+        check_rule_on_geometry(old, "triattention", h, hq, DIM, [0, 1, 2])

@@ -270,3 +270,96 @@ def test_a_class_declares_its_display_name():
 
 def test_every_config_is_in_the_shared_matrices():
     assert {"h2o", "keydiff", "triattention"} <= set(configs_of_kind("eviction")) <= set(ALL_CONFIGS)
+
+
+# ---- H2O on a model: every query counted, from the prompt on -------------------------------------------------------
+class H2ORingOnly(H2O):
+    """The former H2O: no prefill seed, no observation before the first eviction (only the ring's queries count)."""
+
+    accumulates: ClassVar[bool] = False
+
+
+def h2o_on_model(policy: H2O, prompt_len: int, total: int = 90) -> tuple[int, int]:
+    """Decode tiny qwen3 in float64 greedily under ``policy`` while H2O runs beside it step by step, in float64: every
+    query's softmax over the tokens held when it ran (recomputed from each layer's input: q_proj, q_norm, RoPE) added
+    to those tokens' scores, prompt included; at each of the engine's evictions the reference keeps the newest
+    ``recent_ratio * budget - window`` candidates and the highest scores of the others, and follows its own choice.
+
+    Returns ``(cells, equal)``: (eviction event, layer, KV head) cells and those where the engine kept the same set.
+    """
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    model = tiny_model("qwen3", dtype=torch.float64)
+    cfg = model.config
+    hq, h, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    g, scale = hq // h, d**-0.5
+    budget, window = policy.budget, policy.window
+    n_recent = min(max(0, round(policy.recent_ratio * budget) - window), budget - window)
+    keys = [{} for _ in range(cfg.num_hidden_layers)]  # layer -> {position: (H, D)}
+    held = [None] * cfg.num_hidden_layers  # layer -> per KV head the reference's held positions
+    score = [[{} for _ in range(h)] for _ in range(cfg.num_hidden_layers)]
+    cells = [0, 0]
+
+    def attend(layer: int, q: torch.Tensor, qpos: int) -> None:  # q: (Hq, D) of position qpos
+        for kv in range(h):
+            pos = sorted(p for p in held[layer][kv] if p <= qpos)
+            k = torch.stack([keys[layer][p][kv] for p in pos])
+            probs = (q[kv * g : (kv + 1) * g] @ k.T * scale).softmax(-1).sum(0)
+            for p, w in zip(pos, probs.tolist()):
+                score[layer][kv][p] = score[layer][kv].get(p, 0.0) + w
+
+    def hook(layer: int):
+        def fn(module, args, kwargs):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            cos, sin = kwargs["position_embeddings"]
+            t = hidden.shape[1]
+            q = module.q_norm(module.q_proj(hidden).view(1, t, hq, d)).transpose(1, 2)
+            k = module.k_norm(module.k_proj(hidden).view(1, t, h, d)).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            start = len(keys[layer])
+            for i in range(t):
+                keys[layer][start + i] = k[0, :, i]
+            if held[layer] is None:
+                held[layer] = [set() for _ in range(h)]
+            for i in range(t):  # one query at a time, over what is held at its position
+                for kv in range(h):
+                    held[layer][kv].add(start + i)
+                attend(layer, q[0, :, i], start + i)
+
+        return fn
+
+    def on_evict(layer, rows, keep_idx, kept_positions) -> None:
+        li = layer.layer_idx
+        for kv in range(h):
+            now = sorted(held[li][kv])
+            recent, cand = now[-window:], now[:-window]
+            by_recency = cand[-n_recent:] if n_recent else []
+            rest = sorted((p for p in cand if p not in by_recency), key=lambda p: -score[li][kv][p])
+            want = set(by_recency) | set(rest[: budget - window - len(by_recency)])
+            cells[0] += 1
+            cells[1] += set(kept_positions[0, kv].tolist()) == want
+            held[li][kv] = want | set(recent)
+            score[li][kv] = {p: v for p, v in score[li][kv].items() if p in held[li][kv]}
+
+    handles = [layer.self_attn.register_forward_pre_hook(hook(i), with_kwargs=True)
+               for i, layer in enumerate(model.model.layers)]  # fmt: skip
+    prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(5)).tolist()
+    try:
+        generate(model, prompt, policy, max_new_tokens=total - prompt_len, ignore_eos=True,
+                 on_cache=lambda cache: setattr(cache, "on_evict", on_evict))  # fmt: skip
+    finally:
+        for handle in handles:
+            handle.remove()
+    return cells[0], cells[1]
+
+
+@pytest.mark.parametrize("prompt_len", [16, 40])
+def test_h2o_on_a_model_counts_every_query(prompt_len):
+    """Tiny qwen3 in float64, budget 32, window 8, 90 tokens: a prompt shorter than the budget (the prefill seed and
+    the observations before the first eviction both count) and one longer (the seed alone). The engine's H2O keeps
+    the reference's set in every (event, layer, KV head) cell; the former H2O (the ring's queries only, no seed: the
+    failing-first run, kept) does not."""
+    cells, equal = h2o_on_model(H2O(budget=32, window=8), prompt_len)
+    assert cells == 4 * (89 - max(prompt_len, 32)) and equal == cells, (equal, cells)  # the 90th token is not fed
+    cells, equal = h2o_on_model(H2ORingOnly(budget=32, window=8), prompt_len)
+    assert equal < cells, "the ring-only H2O kept the faithful set everywhere: the check cannot tell them apart"

@@ -53,7 +53,7 @@ POLICY_LABELS = {
     "vase_attnv": "VaSE-AttnV",
     "quest": "Quest",
     "seer_attention_r": "SeerAttention-R",
-    "streaming": "StreamingLLM",
+    "streaming": "StreamingLLM-style",
     "random": "Random eviction",
     "random_keep_prompt": "Random, prompt kept",
     "evict_large_value": "Evict large values",

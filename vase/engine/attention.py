@@ -47,6 +47,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from vase.engine.evict import seed_prefill
 from vase.engine.sinks import decode_sink_factor, prefill_sink_factor, softmax_dtype
 
 logger = logging.getLogger(__name__)
@@ -388,6 +389,9 @@ def vase_attention_forward(
         )
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer.record_queries(query)
+    policy = cache.policy
+    if cache.prefilling is not None and not layer.is_sliding and policy.kind == "eviction" and policy.accumulates:
+        seed_prefill(cache, layer, query, key, scaling)  # H2O counts every prompt query (vase.engine.evict)
     backend = cache.attn_backend
     if sinks is not None and backend == "flash_attn":  # backend_choice refuses it first; this guards a bypass
         raise ValueError(f"generation.attn_backend=flash_attn: {NO_FLASH_SINKS}; use attn_backend=auto or sdpa")

@@ -420,10 +420,30 @@ class VaseCache(Cache):
         :attr:`clock`.
         """
         due = self.due_rows()
+        watch = self.observe_rows(due)
+        if watch:  # an accumulating policy (H2O) sees the ring's queries before they are overwritten
+            evict_rows(self, watch, observe=True)
         if not due:
             return due
         self._evict(due)
         return due
+
+    def observe_rows(self, due: list[int]) -> list[int]:
+        """Rows an accumulating policy (``accumulates``: H2O) observes now: not due, never evicted (held <= budget),
+        with ``window`` decode queries since the prompt or the last observation, and candidates to show."""
+        p = self.policy
+        if p.kind != "eviction" or not p.accumulates:
+            return []
+        w, skip = p.window, set(due)
+        out = []
+        for r in range(self.n_live):
+            steps = self.next_pos[r] - self.prompt_lens[r]
+            pinned = self.prompt_lens[r] if p.keep_prompt else 0
+            if r in skip or self.lengths[r] > p.budget or steps <= 0 or steps % w:
+                continue
+            if self.lengths[r] - p.protected_window - pinned > 0:
+                out.append(r)
+        return out
 
     def _evict(self, rows: list[int]) -> None:
         """Evict ``rows`` on every layer, one event per group of rows (:func:`vase.engine.evict.evict_rows`): they

@@ -7,7 +7,8 @@ one event per group for all layers: the layer axis is folded into the row axis o
 the policy's :meth:`~vase.engine.policy.EvictionPolicy.keep` is called once on the ``R * L`` folded rows (folded row
 ``i`` is row ``slots[i // L]`` on layer ``i % L``; ``EvictionInputs.layer_ids`` says which), and one gather and one
 scatter per buffer (K, V, positions) compact every layer of every row: the kept candidates to slots
-``[pinned, budget - window)``, the recent window behind them.
+``[pinned, budget - window)``, the recent window behind them (``window`` here is the policy's
+:attr:`~vase.engine.policy.EvictionPolicy.protected_window`: ``window`` unless it declares ``protect_recent``).
 
 Randomness: one draw per policy call for all folded rows, row ``i`` keyed by its row's eviction key, its position
 and its layer as stream (:class:`~vase.engine.rng.RowRNG` with a stream tensor): the same numbers a per-layer call
@@ -37,11 +38,13 @@ from vase.engine.rng import RowRNG
 CPU_MOVE_BYTES = 4 << 20
 
 
-def evict_rows(cache: Any, slots: list[int]) -> None:
+def evict_rows(cache: Any, slots: list[int], observe: bool = False) -> None:
     """Evict rows ``slots`` of ``cache`` (a :class:`~vase.engine.cache.VaseCache`; each row due) on every layer.
 
     Rows are handed to the policy together when they hold the same length, pin the same number of leading slots
-    (their prompt with ``keep_prompt``, else none) and have the same state keys.
+    (their prompt with ``keep_prompt``, else none) and have the same state keys. ``observe``: an accumulating
+    policy's observation instead (``keep()`` with ``n_keep`` = every candidate; nothing moves, nothing is counted as
+    an eviction).
     """
     keep_prompt = cache.policy.keep_prompt
     state_keys = cache.storage.state.keys[0]  # every layer of a row evicts together: the same keys on all
@@ -50,15 +53,22 @@ def evict_rows(cache: Any, slots: list[int]) -> None:
         pinned = cache.prompt_lens[r] if keep_prompt else 0
         groups.setdefault((state_keys[r], cache.lengths[r], pinned), []).append(r)
     for (keys, length, pinned), group in groups.items():
-        _evict_group(cache, group, keys, length, pinned)
+        _evict_group(cache, group, keys, length, pinned, observe)
 
 
-def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: int, pinned: int) -> None:
-    """One event: rows ``slots``, each holding ``length`` tokens of which the first ``pinned`` are never candidates."""
+def _evict_group(
+    cache: Any, slots: list[int], state_keys: frozenset, length: int, pinned: int, observe: bool = False
+) -> None:
+    """One event: rows ``slots``, each holding ``length`` tokens of which the first ``pinned`` are never candidates
+    (``observe``: the policy sees every candidate kept and nothing moves)."""
     policy, st = cache.policy, cache.storage
     n_layers, heads, cap = st.layers, st.heads, st.capacity
-    window, budget = policy.window, policy.budget
+    # the recent tokens the engine protects: ``window``, or fewer when the policy declares ``protect_recent`` (the query
+    # ring below keeps ``policy.window``)
+    window, budget = policy.protected_window, policy.budget
     n_cand, n_keep = length - window - pinned, budget - window - pinned
+    if observe:
+        n_keep = n_cand
     start = cache.clock.start()
     idx = cache.index(slots)  # a slice (contiguous rows) or a device tensor built once per step
     n = len(slots)
@@ -79,7 +89,7 @@ def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: in
     queries = fold(st.queries)
     query_positions = n_new = None
     if queries is not None:  # positions of the ring's slots and the queries new since the last call (no sync)
-        query_positions, n_new = ring_positions(pos_rows, fold(st.last_call_pos), window)
+        query_positions, n_new = ring_positions(pos_rows, fold(st.last_call_pos), policy.window)
         st.last_call_pos[idx] = pos[:, None]
     state = st.state.get(state_keys, idx, n, None)
     cand = slice(pinned, pinned + n_cand)
@@ -90,6 +100,8 @@ def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: in
         n_keep=n_keep,
         layer_idx=None,
         layer_ids=layer_ids,
+        layers_per_row=n_layers,
+        capacity=cap,
         scaling=cache.scaling,
         # noise keyed by (row's eviction key, row's position now, layer): never by its batch-mates
         rng=RowRNG(key_rows, pos_rows, stream=layer_ids),
@@ -106,6 +118,9 @@ def _evict_group(cache: Any, slots: list[int], state_keys: frozenset, length: in
     if cache.check_policy_output:
         check_keep(keep, rows, heads, n_keep, n_cand, policy.name)
     st.state.put(slots, idx, state, None, policy.name)
+    if observe:
+        cache.clock.stop(start, functools.partial(_credit, cache, list(slots)))
+        return
     # Every layer of every row at once, in the storage flattened to (rows_total * L * H * capacity, ...): slots
     # [pinned, budget) take the kept candidates, then the recent window [length - window, length). The source is
     # gathered (copied) before the scatter, so the ranges may overlap (an eviction of fewer than ``window`` tokens).
@@ -163,6 +178,55 @@ def fold_rows(cache: Any, idx, n: int) -> torch.Tensor:
     if isinstance(idx, slice):
         return cache.fold_row_ids[idx.start * n_layers : (idx.start + n) * n_layers]
     return (idx[:, None] * n_layers + cache.fold_local_ids[:n_layers]).view(-1)
+
+
+def seed_prefill(cache: Any, layer: Any, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+    """An accumulating policy's state of ``layer`` (full attention) from the prefill: every prompt query's attention.
+
+    ``query``: ``(1, Hq, P, D)`` the prompt's post-RoPE queries; ``key``: ``(1, H, P, D)`` its keys. The causal
+    softmax column sums (:func:`prefill_column_sums`) go to the policy's :meth:`prefill_state`, whose state every row
+    of the prompt starts with; the rows' last call is set to the prompt's end, so the query ring's prompt queries are
+    not counted again at the first call.
+    """
+    policy, st = cache.policy, cache.storage
+    slots, p = cache.prefilling, key.shape[2]
+    attention = prefill_column_sums(query, key, scaling)
+    positions = torch.arange(p, device=key.device).expand(1, key.shape[1], p)
+    state = policy.prefill_state(positions, attention, st.capacity)
+    idx = cache.index(slots)
+    st.state.fill(list(slots), idx, state, layer.store_idx, policy.name)
+    if layer.last_call_pos is not None:
+        layer.last_call_pos[idx] = p
+
+
+#: elements of one chunk of prefill attention probabilities (:func:`prefill_column_sums`)
+PREFILL_CHUNK_ELEMS = 1 << 24
+
+
+def prefill_column_sums(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The attention each key receives from every query of a causal pass, summed over the queries and the query heads
+    of its KV head, in chunks of queries (at most :data:`PREFILL_CHUNK_ELEMS` probabilities at a time; the ``P x P``
+    matrix is never materialised).
+
+    Args:
+        query: ``(1, Hq, T, D)`` the queries of the last ``T`` of the ``P`` positions; key: ``(1, H, P, D)``.
+
+    Returns:
+        ``(1, H, P)`` float32 (float64 for float64 inputs).
+    """
+    _, hq, t, d = query.shape
+    h, p = key.shape[1], key.shape[2]
+    dt = torch.promote_types(query.dtype, torch.float32)
+    q, k = query[0].to(dt).view(h, hq // h, t, d), key[0].to(dt)
+    out = torch.zeros(h, p, dtype=dt, device=key.device)
+    chunk = max(1, PREFILL_CHUNK_ELEMS // (hq * p))
+    cols = torch.arange(p, device=key.device)
+    for a in range(0, t, chunk):
+        b = min(t, a + chunk)
+        logits = torch.einsum("hgtd,hpd->hgtp", q[:, :, a:b], k) * scaling
+        future = cols[None, :] > torch.arange(p - t + a, p - t + b, device=key.device)[:, None]
+        out += logits.masked_fill(future, float("-inf")).softmax(dim=-1).sum(dim=(1, 2))
+    return out[None]
 
 
 def ring_positions(pos: torch.Tensor, last: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:

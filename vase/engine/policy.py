@@ -31,6 +31,9 @@ between calls (e.g. CurDKV's sketch; an eviction call's rows are (sequence, laye
 A call's rows all have the same keys in their state: an empty dict means these rows have never stored anything
 (new sequences). Put or replace tensors in it; the engine stores each
 row's slice and hands it back at the row's next call. A key must keep its per-row shape for the row's lifetime.
+
+Long module: the whole contract between the engine and a policy (the inputs' documentation, the schedule's and the
+prompt's rules, the hooks) is one page a policy author reads, so it stays in one file.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import torch
 from vase.engine.rng import RowRNG
 
 #: Options of every eviction policy that the engine implements (not the policy's rule), with their base defaults.
-ENGINE_OPTIONS = {"keep_prompt": False, "evict_every": None, "compress_prefill": False}
+ENGINE_OPTIONS = {"keep_prompt": False, "evict_every": None, "compress_prefill": False, "protect_recent": None}
 _NO_DEFAULT = object()
 
 
@@ -63,7 +66,7 @@ class EvictionInputs:
 
     Attributes:
         keys: ``(B, H, N, D)`` post-RoPE keys of the candidates (every held token but the ``window`` most recent, and
-            but the prompt with ``keep_prompt``).
+            but the prompt with ``keep_prompt``; but the ``protect_recent`` most recent when the policy declares it).
         values: ``(B, H, N, D)`` values of the candidates.
         positions: ``(B, H, N)`` int64 absolute token positions of the candidates (0 = first prompt token).
         n_keep: how many candidates to keep per (sequence, KV head): ``budget - window`` (``- P`` with
@@ -81,7 +84,8 @@ class EvictionInputs:
         score_dtype: the dtype of the policy's score math (``protocol.score_dtype``, set by the engine): pass it as
             ``dtype=`` to every :mod:`vase.engine.scores` function. float32 by default; bfloat16 rounds as the
             authors' code (docs/protocol.md).
-        window_keys: ``(B, H, window, D)`` post-RoPE keys of the recent window (never evicted; for scores that compare
+        window_keys: ``(B, H, window, D)`` post-RoPE keys of the recent window (``protect_recent`` keys, possibly
+            none, when the policy declares it) (never evicted; for scores that compare
             the candidates with every held key, as the original R-KV's redundancy), or ``None``. The engine always
             passes them.
         window_positions: ``(B, H, window)`` int64 absolute positions of ``window_keys`` (oldest first), or ``None``.
@@ -98,6 +102,12 @@ class EvictionInputs:
         head_span: under tensor parallelism, ``(offset, total)``: ``H`` is the model's KV heads ``offset ..`` of
             ``total`` (this rank's slice); ``None``: every head. :meth:`rand` / :meth:`randn` draw a head axis's noise
             by the model's head index, so the ranks together draw what one process draws.
+        layers_per_row: ``L``, the folded layers of one sequence: rows ``[i * L, (i + 1) * L)`` are the ``L`` layers
+            (``layer_ids``) of one sequence, which hold the same positions when the policy keeps one set per KV head
+            for every layer (TriAttention's per-head mode). The engine passes its full-attention layer count; ``1``
+            (default) for inputs built by hand of one layer.
+        capacity: the token slots of a row in the engine's storage (a run constant: per-token state padded to it keeps
+            one shape for the row's life, :mod:`vase.engine.token_state`); ``None`` for inputs built by hand.
     """
 
     keys: torch.Tensor
@@ -117,6 +127,8 @@ class EvictionInputs:
     n_new_queries: torch.Tensor | None = None
     layer_ids: torch.Tensor | None = None
     head_span: tuple[int, int] | None = None
+    layers_per_row: int = 1
+    capacity: int | None = None
 
     def __post_init__(self) -> None:
         if self.layer_ids is None:
@@ -289,9 +301,16 @@ class Policy:
         raise NotImplementedError(f"policy {self.name} has no calibration")
 
     @property
+    def protected_window(self) -> int:
+        """The most recent tokens the engine never hands to :meth:`EvictionPolicy.keep` (``window``; an eviction
+        policy may declare fewer with ``protect_recent``)."""
+        return self.window
+
+    @property
     def n_keep(self) -> int:
-        """Candidates kept at each eviction: ``budget - window`` (less the prompt's ``P`` with ``keep_prompt``)."""
-        return self.budget - self.window
+        """Candidates kept at each eviction: ``budget - protected_window`` (less the prompt's ``P`` with
+        ``keep_prompt``)."""
+        return self.budget - self.protected_window
 
     def describe(self) -> dict:
         """The policy's name, kind and hyper-parameters (recorded with every run).
@@ -338,16 +357,31 @@ class EvictionPolicy(Policy):
             of ``E``. It then holds ``budget``; between evictions at most ``budget + E``.
         compress_prefill: also evict right after the prefill when the prompt is longer than ``budget`` (R-KV); the
             row then starts decoding with ``budget`` tokens (true positions kept).
+        protect_recent: how many of the most recent tokens the engine protects at an eviction (never candidates;
+            moved behind the kept ones). ``None`` = ``window`` (VaSE's scaffold); ``0`` makes every held token a
+            candidate (TriAttention's HF path, kvpress's KeyDiff); at most ``window``. The query ring and the
+            schedule keep ``window``; :meth:`keep` then chooses ``budget - protect_recent`` (``- P``) candidates.
     """
 
     sinks: int = 4
     keep_prompt: bool = False
     evict_every: int | None = None
     compress_prefill: bool = False
+    protect_recent: int | None = None
     kind: ClassVar[str] = "eviction"
+    #: the policy counts every query from the prompt on (H2O): the engine seeds its state from the prefill's attention
+    #: (:meth:`prefill_state`) and, before a row's first eviction, calls :meth:`keep` with ``n_keep`` = every candidate
+    #: each time the query ring holds ``window`` queries the policy has not seen (an observation: nothing is evicted)
+    accumulates: ClassVar[bool] = False
 
     def validate(self) -> None:
         super().validate()
+        prot = self.protect_recent
+        _check(
+            prot is None or (isinstance(prot, int) and not isinstance(prot, bool) and 0 <= prot <= self.window),
+            "policy.protect_recent",
+            f"must be an integer in [0, window={self.window}] or null (= window), got {prot!r}",
+        )
         _check(
             isinstance(self.sinks, int) and self.sinks >= 0,
             "policy.sinks",
@@ -356,7 +390,7 @@ class EvictionPolicy(Policy):
         _check(
             self.sinks <= self.n_keep,
             "policy.sinks",
-            f"must be <= budget - window = {self.n_keep}, got {self.sinks}",
+            f"must be <= budget - {self._protected_name()} = {self.n_keep}, got {self.sinks}",
         )
         for name in ("keep_prompt", "compress_prefill"):
             value = getattr(self, name)
@@ -367,6 +401,15 @@ class EvictionPolicy(Policy):
             "policy.evict_every",
             f"must be an integer >= 1 or null (= window), got {every!r}",
         )
+
+    @property
+    def protected_window(self) -> int:
+        """``protect_recent``, or ``window`` when unset (see the class docstring)."""
+        p = self.protect_recent
+        return self.window if p is None or isinstance(p, bool) or not isinstance(p, int) else p
+
+    def _protected_name(self) -> str:
+        return "window" if self.protect_recent is None else "protect_recent"
 
     @property
     def eviction_period(self) -> int:
@@ -386,20 +429,21 @@ class EvictionPolicy(Policy):
         """
         if not self.keep_prompt:
             return
-        room, need = self.budget - self.window - prompt_len, self.min_keep(prompt_len)
+        w = self.protected_window
+        room, need = self.budget - w - prompt_len, self.min_keep(prompt_len)
         if room >= need:
             return
         # the smallest budget every constraint accepts: room for the prompt, the window and ``need`` candidates, and
         # a multiple of the window (validate); a policy that raises min_keep with the budget is asked again
-        budget = -(-(prompt_len + self.window + need) // self.window) * self.window
-        while budget - self.window - prompt_len < self.min_keep_at(prompt_len, budget):
+        budget = -(-(prompt_len + w + need) // self.window) * self.window
+        while budget - w - prompt_len < self.min_keep_at(prompt_len, budget):
             budget += self.window
         _check(
             False,
             "policy.keep_prompt",
-            f"a prompt of {prompt_len} tokens plus window={self.window} leaves {room} of budget={self.budget} for "
-            f"generated tokens, {self.name} needs >= {need}; raise budget to >= {budget} (budget={budget}: a multiple "
-            "of the window) or set policy.keep_prompt=false",
+            f"a prompt of {prompt_len} tokens plus {self._protected_name()}={w} leaves {room} of budget={self.budget} "
+            f"for generated tokens, {self.name} needs >= {need}; raise budget to >= {budget} (budget={budget}: a "
+            "multiple of the window) or set policy.keep_prompt=false",
         )
 
     def min_keep_at(self, prompt_len: int, budget: int) -> int:
@@ -424,6 +468,20 @@ class EvictionPolicy(Policy):
             if held > budget and length % every == 0:
                 held = budget
         return held
+
+    def prefill_state(self, positions: torch.Tensor, attention: torch.Tensor, capacity: int) -> dict:
+        """An accumulating policy's state of one layer right after a prompt's prefill (``accumulates``).
+
+        Args:
+            positions: ``(1, H, P)`` int64 the prompt's positions.
+            attention: ``(1, H, P)`` float32: the attention each prompt token received from every prompt query (its
+                causal softmax column sums), summed over the query heads of each KV head.
+            capacity: the storage's token slots per row (pad per-token state to it).
+
+        Returns:
+            ``{key: (1, ...) tensor}``: the state every row of the prompt starts with on this layer.
+        """
+        raise NotImplementedError(f"policy {self.name} declares accumulates but has no prefill_state")
 
     def keep(self, inputs: EvictionInputs) -> torch.Tensor:
         """Choose the candidates to keep.

@@ -68,9 +68,19 @@ class TokenState:
         return lookup(pos, inputs.state[f"{self.key}.val"], positions, self.fill)
 
     def write(self, inputs: EvictionInputs, positions: torch.Tensor, values: torch.Tensor) -> None:
-        """Store ``values`` ``(B, H, C)`` at ``positions`` ``(B, H, C)``; ``C`` is fixed for a row's life."""
-        inputs.state[f"{self.key}.pos"] = positions.to(torch.long)
-        inputs.state[f"{self.key}.val"] = values.to(torch.float32)
+        """Store ``values`` ``(B, H, C)`` at ``positions`` ``(B, H, C)``; ``C`` is fixed for a row's life (padded to
+        ``inputs.capacity`` when the engine gives it: the same for every call of the run)."""
+        inputs.state.update(self.initial(positions, values, inputs.capacity))
+
+    def initial(self, positions: torch.Tensor, values: torch.Tensor, capacity: int | None = None) -> dict:
+        """The state entries for ``values`` ``(B, H, C)`` at ``positions``, padded to ``capacity`` slots (empty slots:
+        position ``-1``, never looked up) when given; e.g. a policy's :meth:`prefill_state`."""
+        positions, values = positions.to(torch.long), values.to(torch.float32)
+        pad = 0 if capacity is None else capacity - positions.shape[-1]
+        if pad > 0:
+            positions = torch.nn.functional.pad(positions, (0, pad), value=-1)
+            values = torch.nn.functional.pad(values, (0, pad))
+        return {f"{self.key}.pos": positions, f"{self.key}.val": values}
 
     def write_kept(self, inputs: EvictionInputs, keep: torch.Tensor, values: torch.Tensor) -> None:
         """Store the values of the tokens the row holds after this eviction: the kept candidates and the window.
