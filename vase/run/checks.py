@@ -87,6 +87,7 @@ TOP_LEVEL_KEYS = (
     "pilot_row",
     "logger",
     "sweep",
+    "parallel",
     "hydra",
 )
 
@@ -259,6 +260,7 @@ def _check_top_level(cfg: DictConfig) -> None:
     _path(cfg, "run_dir", nullable=True, example="results/my_run")
     for flag in ("progress", "record_kept", "raise_errors"):
         _boolean(cfg, flag)
+    _known_keys(cfg.get("parallel"), "parallel.", ("tensor",), "keys of parallel")
     _integer(cfg, "parallel.tensor", 1, fix="ranks per model: e.g. parallel.tensor=2 (torchrun --nproc-per-node 2)")
 
 
