@@ -123,8 +123,9 @@ KEY_BUCKET_RATIO = 1.25
 #: at most this many key-length buckets per capacity (the smallest is about ``capacity * 0.8**7``, 21% of it): the
 #: compiled step has at most ``len(row_buckets) * KEY_BUCKETS`` graphs
 KEY_BUCKETS = 8
-#: every key-length bucket below the capacity is a multiple of this (the additive mask's alignment)
-KEY_BUCKET_ALIGN = MASK_ALIGN
+#: every key-length bucket below the capacity is a multiple of this (the mask's row stride stays its buffer's, padded
+#: to MASK_ALIGN, whatever the span)
+KEY_BUCKET_ALIGN = 8
 
 
 @functools.cache
