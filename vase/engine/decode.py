@@ -80,8 +80,8 @@ class Decoder:
         check_policy_output: validate every eviction's indices (debug; syncs per eviction).
         score_dtype: the dtype of the policy's score math (``EvictionInputs.score_dtype``; bfloat16 = the authors').
         row_id: how a row is named in hooks and in the cache (default ``(key, sample)``).
-        compile: ``off`` | ``on`` | ``auto``: compile the decode forward, one graph per bucket of live rows
-            (:mod:`vase.engine.compiled`; CUDA graphs on CUDA); the prefill stays eager.
+        compile: ``off`` | ``on`` | ``auto``: compile the decode forward, one graph per bucket of live rows and
+            key-length bucket (:mod:`vase.engine.compiled`; CUDA graphs on CUDA); the prefill stays eager.
         compile_backend: ``torch.compile``'s backend (default inductor; tests pass a graph-counting one).
     """
 
@@ -407,9 +407,9 @@ class Decoder:
         """The decode forward and sampling of rows ``[0, b)``: ``input_ids``, ``position_ids`` ``(b, 1)`` → the last
         logits ``(b, V)``, the sampled tokens ``(b,)`` and whether each row's logits are finite ``(b,)`` bool.
 
-        Reads only tensors and run-constant host state (``cache.step_rows`` and ``cache.bucketed`` among them), so
-        ``torch.compile(fullgraph=True)`` traces it once per row bucket (:mod:`vase.engine.compiled`), the sampling's
-        counter-based hash fused into the step's graph. A token's noise is keyed by the row's token key and the
+        Reads only tensors and run-constant host state (``cache.step_rows``, ``cache.step_length`` and
+        ``cache.bucketed`` among them), so ``torch.compile(fullgraph=True)`` traces it once per row and key bucket
+        (:mod:`vase.engine.compiled`), the sampling's counter-based hash fused into the step's graph. A token's noise is keyed by the row's token key and the
         token's position (``position_ids + 1``), so the padding rows' draws never touch a live row's.
         """
         cache = self.cache
