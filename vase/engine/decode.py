@@ -409,8 +409,9 @@ class Decoder:
 
         Reads only tensors and run-constant host state (``cache.step_rows``, ``cache.step_length`` and
         ``cache.bucketed`` among them), so ``torch.compile(fullgraph=True)`` traces it once per row and key bucket
-        (:mod:`vase.engine.compiled`), the sampling's counter-based hash fused into the step's graph. A token's noise is keyed by the row's token key and the
-        token's position (``position_ids + 1``), so the padding rows' draws never touch a live row's.
+        (:mod:`vase.engine.compiled`), the sampling's counter-based hash fused into the step's graph. A token's noise is
+        keyed by the row's token key and the token's position (``position_ids + 1``), so the padding rows' draws never
+        touch a live row's.
         """
         cache = self.cache
         out = self.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, vase_cache=cache)
