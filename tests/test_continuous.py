@@ -329,6 +329,13 @@ def fake_flash(monkeypatch):
     monkeypatch.setattr(
         "vase.engine.decode.backend_choice", lambda backend, device, dtype=None, sinks=False: (backend, "test")
     )
+
+    def flash_decode_cpu(q, k_cache, v_cache, cache_seqlens, scale):  # the vase::flash_decode op's CPU kernel
+        return ref.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=scale, causal=True
+        )
+
+    monkeypatch.setattr("vase.engine.attention.flash_decode_reference", flash_decode_cpu)
     ref.calls.clear()
     return ref
 

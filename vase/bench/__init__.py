@@ -2,7 +2,7 @@
 
 Modules (the entry points are the thin scripts of ``scripts/``: ``bench_throughput.py``, ``bench_rows.py``,
 ``bench_kvpress.py``, ``bench_vllm.py``, ``bench_variants.py``, ``gpu_check.py``, ``gpu_bench_rows.py``,
-``gpu_smoke.sh``/``gpu_smoke.py``, ``profile_decode.py``, ``kvpress_step_profile.py``):
+``gpu_smoke.sh``/``gpu_smoke.py``, ``profile_decode.py``, ``kvpress_step_profile.py``, ``attention_bytes.py``):
 
 * :mod:`~vase.bench.shapes`: the random-weight model presets, random and staggered prompts, the static KV size;
 * :mod:`~vase.bench.measure`: trimmed means, peak memory (CUDA max allocated / peak RSS), machine information, time
@@ -16,8 +16,10 @@ Modules (the entry points are the thin scripts of ``scripts/``: ``bench_throughp
 * :mod:`~vase.bench.variants`: ``run.py`` at several revisions / thread counts / settings, side by side;
 * :mod:`~vase.bench.runs`: whole processes as runs (threads, wall time, peak RSS) and ``run.py`` run directories;
 * :mod:`~vase.bench.sdpa_kernels`: which SDPA kernel each call ran (torch only);
-* :mod:`~vase.bench.attention_check`: the engine's attention kernels against the math kernel (``gpu_check.py``; the
-  one module of this package that reaches into the engine's attention);
+* :mod:`~vase.bench.attention_check`: the engine's attention kernels against the math kernel (``gpu_check.py``; with
+  ``attention_bytes``, the modules of this package that reach into the engine's attention);
+* :mod:`~vase.bench.attention_bytes`: the K/V bytes each decode step's attention is given against the bytes the rows
+  hold (``attention_bytes.py``);
 * :mod:`~vase.bench.gpu_rows`: tok/s against rows at equal KV memory, staggered prompts (``gpu_bench_rows.py``);
 * :mod:`~vase.bench.smoke`: the first run on a new GPU machine (``gpu_smoke.sh``);
 * :mod:`~vase.bench.worker`: ``python -m vase.bench.worker KIND SPEC``, one config in a fresh process; its

@@ -17,7 +17,9 @@ With a :class:`~vase.engine.cache.VaseCache` passed as the ``vase_cache`` keywor
      ``enable_gqa`` together with a mask, so CUDA runs it on a fused kernel (memory-efficient or cuDNN with a mask,
      FlashAttention without) and never on the math kernel (``docs/architecture.md``, "Attention kernels");
    * FlashAttention-2 (``flash_attn_with_kvcache`` on the preallocated storage with per-row ``cache_seqlens``) when
-     ``flash_attn.flash_attn_interface`` imports and the model is fp16/bf16 on CUDA;
+     ``flash_attn.flash_attn_interface`` imports and the model is fp16/bf16 on CUDA, through the custom operator
+     ``vase::flash_decode`` (:func:`flash_decode`: a fake implementation for tracing, so the compiled step runs it; a
+     CPU kernel that is an exact per-row reference, :func:`flash_decode_reference`);
    * ``eager`` (explicit float32 softmax; float64 for a float64 model), kept as a reference for tests.
 
 Causality: the prefill (one prompt, batch 1) is causal; a decode step attends to every held token of its row (they
@@ -327,18 +329,70 @@ def _flash_prefill(query, key, value, scaling, window=None):
     return out.transpose(1, 2)
 
 
-def _flash_decode(query, layer, scaling):
-    """``flash_attn_with_kvcache`` over the static storage: row ``r`` attends to its ``cache_seqlens[r]`` tokens."""
+def flash_decode_reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=..., softmax_scale=scale, causal=True)`` for one
+    query per row, exactly and in plain torch: the CPU kernel of :func:`flash_decode`.
+
+    Args:
+        q: ``(b, 1, Hq, D)``; k_cache, v_cache: ``(b, S, H, D)`` (flash-attn's layout; any strides but the last);
+        cache_seqlens: ``(b,)`` int32, row ``r`` attends to slots ``[0, cache_seqlens[r])``, ``1 <= len <= S``.
+
+    Returns:
+        ``(b, 1, Hq, D)`` contiguous. Row ``r`` reads only its first ``cache_seqlens[r]`` slots (sliced per row on
+        the host: what the slots beyond hold, NaN included, never reaches the output), softmax in float32
+        (:func:`eager_attention`).
+    """
+    b, t, hq, d = q.shape
+    if t != 1 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[0] != b:
+        raise ValueError(f"flash_decode: q {tuple(q.shape)}, k/v {tuple(k_cache.shape)}: one query per row expected")
+    if cache_seqlens.dtype != torch.int32 or tuple(cache_seqlens.shape) != (b,):
+        raise ValueError(f"flash_decode: cache_seqlens must be int32 ({b},), got {cache_seqlens.dtype}")
+    lengths = cache_seqlens.tolist()
+    if min(lengths) < 1 or max(lengths) > k_cache.shape[1]:
+        raise ValueError(f"flash_decode: cache_seqlens {lengths} outside [1, {k_cache.shape[1]}]")
+    out = q.new_empty(q.shape)
+    for r, length in enumerate(lengths):
+        k = k_cache[r : r + 1, :length].transpose(1, 2)  # (1, H, length, D)
+        v = v_cache[r : r + 1, :length].transpose(1, 2)
+        out[r : r + 1] = eager_attention(q[r : r + 1].transpose(1, 2), k, v, scale, causal=True).transpose(1, 2)
+    return out
+
+
+@torch.library.custom_op("vase::flash_decode", mutates_args=())
+def flash_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One decode step's FlashAttention-2 as an operator dynamo traces (``torch.compile(fullgraph=True)`` keeps it in
+    the graph; inductor calls it as an extern kernel, CUDA-graph capturable: ``cache_seqlens`` is a device tensor).
+
+    Shapes as :func:`flash_decode_reference` (its CPU kernel); the CUDA kernel is flash-attn's
+    ``flash_attn_with_kvcache`` (causal, one query per row: every slot below ``cache_seqlens[r]``).
+    """
+    return flash_decode_reference(q, k_cache, v_cache, cache_seqlens, scale)
+
+
+@flash_decode.register_kernel("cuda")
+def _flash_decode_cuda(q, k_cache, v_cache, cache_seqlens, scale):
     from flash_attn import flash_attn_with_kvcache  # optional dependency (the [gpu] extra)
 
+    return flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, softmax_scale=scale, causal=True)
+
+
+@flash_decode.register_fake
+def _flash_decode_fake(q, k_cache, v_cache, cache_seqlens, scale):
+    return q.new_empty(q.shape)  # contiguous, as flash-attn returns it
+
+
+def _flash_decode(query, layer, scaling):
+    """:func:`flash_decode` over the static storage: row ``r`` attends to its ``cache_seqlens[r]`` tokens."""
     n = layer.owner.step_rows
     k_cache = layer.keys[:n].transpose(1, 2)  # (n, capacity, H, D) view: the last dim stays contiguous
     v_cache = layer.values[:n].transpose(1, 2)
     # a sliding layer's ring holds its valid slots first (slot s is written once the row reaches position s), and a
     # single query attends to every valid slot: the ring's order does not matter
-    out = flash_attn_with_kvcache(
-        query.transpose(1, 2), k_cache, v_cache, cache_seqlens=layer.seqlens_i32(), softmax_scale=scaling, causal=True
-    )
+    out = torch.ops.vase.flash_decode(query.transpose(1, 2), k_cache, v_cache, layer.seqlens_i32(), scaling)
     return out.transpose(1, 2)
 
 

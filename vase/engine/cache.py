@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -85,6 +86,8 @@ __all__ = [
     "VaseLayer",
     "aux_bytes_per_row",
     "cache_capacity",
+    "key_buckets",
+    "length_bucket",
     "row_bucket",
     "row_buckets",
     "to_device",
@@ -114,15 +117,42 @@ def row_bucket(n: int, rows: int) -> int:
     return min(rows, 1 << max(0, n - 1).bit_length())
 
 
-#: eager decode steps view K/V up to the longest row rounded up to a multiple of this (compiled ones: the capacity);
-#: see docs/architecture.md, "Static decode shapes"
-LENGTH_BUCKET = 256
+#: key-length buckets: each is at most this many times the next smaller one, so a step whose longest row is above the
+#: smallest bucket gives the attention at most 1.25x the slots of that row (docs/architecture.md, "Bytes read per step")
+KEY_BUCKET_RATIO = 1.25
+#: at most this many key-length buckets per capacity (the smallest is about ``capacity * 0.8**7``, 21% of it): the
+#: compiled step has at most ``len(row_buckets) * KEY_BUCKETS`` graphs
+KEY_BUCKETS = 8
+#: every key-length bucket below the capacity is a multiple of this (the mask's row stride stays its buffer's, padded
+#: to MASK_ALIGN, whatever the span)
+KEY_BUCKET_ALIGN = 8
+
+
+@functools.cache
+def key_buckets(capacity: int) -> tuple[int, ...]:
+    """The key lengths a decode step's K/V views may span for a cache of ``capacity`` slots, ascending.
+
+    ``b_0 = capacity``, ``b_{k+1} = ceil(b_k / KEY_BUCKET_RATIO)`` rounded up to :data:`KEY_BUCKET_ALIGN`, at most
+    :data:`KEY_BUCKETS` of them: ``b_k / b_{k+1} <= KEY_BUCKET_RATIO`` for every pair.
+    """
+    if capacity < 1:
+        raise ValueError(f"key_buckets: capacity must be >= 1, got {capacity}")
+    out = [capacity]
+    while len(out) < KEY_BUCKETS:
+        nxt = -(-math.ceil(out[-1] / KEY_BUCKET_RATIO) // KEY_BUCKET_ALIGN) * KEY_BUCKET_ALIGN
+        if nxt >= out[-1]:
+            break
+        out.append(nxt)
+    return tuple(reversed(out))
 
 
 def length_bucket(length: int, capacity: int) -> int:
-    """The slots an eager decode step's K/V views span: ``length`` rounded up to :data:`LENGTH_BUCKET`, at most
-    ``capacity``."""
-    return min(capacity, -(-length // LENGTH_BUCKET) * LENGTH_BUCKET)
+    """The slots a decode step's K/V views span: the smallest of :func:`key_buckets` ``(capacity)`` that holds
+    ``length`` (the longest row after the step's append, known on the host: no sync)."""
+    for b in key_buckets(capacity):
+        if b >= length:
+            return b
+    raise RuntimeError(f"length_bucket: {length} slots exceed the capacity {capacity}")
 
 
 def row_buckets(rows: int) -> list[int]:
@@ -219,7 +249,7 @@ class VaseCache(Cache):
         # free slots whose writes are masked out) and every layer's K/V views span the whole capacity. The row masks
         # and FlashAttention's lengths are rebuilt in place in these buffers by prepare_step, outside the forward.
         self.step_rows = 0
-        self.step_length = 0  # the slots every row's K/V view spans this step (the capacity when bucketed)
+        self.step_length = 0  # the slots every row's K/V view spans this step (step_span: a key-length bucket)
         self.bucketed = False
         self.stepping = False  # between prepare_step and advance
         cap = geometry.capacity
@@ -344,11 +374,7 @@ class VaseCache(Cache):
             )
         b = row_bucket(n_live, self.geometry.rows) if self.bucketed else n_live
         self.step_rows = b
-        self.step_length = (
-            self.geometry.capacity
-            if self.bucketed
-            else length_bucket(self.max_length_after_append, self.geometry.capacity)
-        )
+        self.step_length = self.step_span(self.max_length_after_append)
         self.stepping = True
         for layer in self.attention_layers:
             layer.counters.held = self.max_length_after_append
@@ -372,6 +398,15 @@ class VaseCache(Cache):
             if self.attn_backend == "flash_attn":
                 self.ring_seqlens[:b].copy_(torch.clamp(pos + 1, max=self.geometry.sliding_window))
         self._index = {}
+
+    def step_span(self, longest: int) -> int:
+        """The slots a decode step's K/V views span when its longest row holds ``longest`` tokens after the append:
+        :func:`length_bucket` (eager and compiled alike; compiled, one graph per row bucket and key bucket), or the
+        capacity when every layer's decode attention is FlashAttention-2 (it reads each row's ``cache_seqlens`` slots
+        from the whole storage, so a bucket would only add graphs): flash_attn without a selection policy."""
+        if self.attn_backend == "flash_attn" and self.policy.kind != "selection":
+            return self.geometry.capacity
+        return length_bucket(longest, self.geometry.capacity)
 
     def seqlens_i32(self) -> torch.Tensor:
         """``(step_rows,)`` int32 tokens each row holds after this step's append (FlashAttention's cache_seqlens)."""

@@ -1,13 +1,16 @@
 """The compiled decode step: ``generation.compile=auto|off|on``.
 
-The decode forward (:meth:`vase.engine.decode.Decoder._decode_forward`) reads only tensors of fixed shape and
-storage (the static cache's views at the whole capacity, the row masks rebuilt in place by
-:meth:`~vase.engine.cache.VaseCache.prepare_step`, the token / position buffers) and run-constant host state; its
-one shape that changes is the number of rows it covers, which a compiled decoder rounds up to a power of two
-(:func:`~vase.engine.cache.row_bucket`; the padding rows are free slots whose writes are masked out and whose logits
-are dropped). So ``torch.compile(fullgraph=True, dynamic=False)`` traces it once per bucket and never again. The
-token sampling is part of the compiled forward (its counter-based hash fuses into a few kernels); the prefill and
-the eviction stay eager (they run between forwards).
+The decode forward (:meth:`vase.engine.decode.Decoder._decode_forward`) reads only tensors of fixed shape and storage
+(the static cache's views over a key-length bucket, :func:`~vase.engine.cache.key_buckets`, the row masks rebuilt in
+place by :meth:`~vase.engine.cache.VaseCache.prepare_step`, the token / position buffers) and run-constant host state;
+its shapes that change are the number of rows it covers, which a compiled decoder rounds up to a power of two
+(:func:`~vase.engine.cache.row_bucket`; the padding rows are free slots whose writes are masked out and whose logits are
+dropped), and the key length of its K/V views (the smallest of at most 8 key buckets that holds the longest row, chosen
+on the host). So ``torch.compile(fullgraph=True, dynamic=False)`` traces it once per (row bucket, key bucket) it meets
+and never again. FlashAttention-2 runs inside the graph through the ``vase::flash_decode`` custom operator (it reads
+each row's held slots of the whole storage: one key bucket, the capacity, without a selection). The token sampling is
+part of the compiled forward (its counter-based hash fuses into a few kernels); the prefill and the eviction stay eager
+(they run between forwards).
 
 On CUDA the compile mode is ``"reduce-overhead"`` (CUDA-graph capture by torch's cudagraph trees): the cache's
 buffers are marked as static addresses (:func:`mark_static`) so the captured graph reads and writes them in place;
@@ -42,10 +45,6 @@ COMPILE_SETTINGS = ("auto", "on", "off")
 MIN_STEPS = 256
 
 
-#: why the compiled step does not run FlashAttention-2
-NO_FLASH = "flash_attn_with_kvcache is a C++ extension call that dynamo cannot trace into a full graph"
-
-
 def compile_choice(
     setting: Any, device: torch.device, policy, expected_steps: int | None, attn_backend: str = "auto"
 ) -> tuple[bool, str]:
@@ -56,8 +55,8 @@ def compile_choice(
         device: the model's device.
         policy: the cache policy.
         expected_steps: tokens a row may decode (its output cap), or ``None`` if unknown.
-        attn_backend: ``generation.attn_backend``; an explicit ``flash_attn`` is not compiled (:data:`NO_FLASH`;
-            with ``auto`` a compiled decoder runs SDPA).
+        attn_backend: ``generation.attn_backend`` (unused by the rule: every backend compiles, FlashAttention-2
+            through the ``vase::flash_decode`` operator, :func:`vase.engine.attention.flash_decode`).
     """
     if setting is True:
         setting = "on"
@@ -67,10 +66,6 @@ def compile_choice(
         raise ValueError(f"generation.compile: must be one of {', '.join(COMPILE_SETTINGS)}, got {setting!r}")
     if setting == "off":
         return False, "off: set explicitly"
-    if attn_backend == "flash_attn":
-        if setting == "on":
-            raise ValueError(f"generation.compile=on: {NO_FLASH}; use generation.attn_backend=auto or sdpa")
-        return False, f"auto: off, generation.attn_backend=flash_attn ({NO_FLASH})"
     if device.type == "cpu" and not cxx_compiler():
         why = "no C++ compiler on PATH (inductor needs one on the CPU)"
         if setting == "on":

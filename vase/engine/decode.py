@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from vase.engine.attention import attention_report, backend_choice, vase_attention
-from vase.engine.cache import VaseCache, cache_capacity, row_buckets, to_device
-from vase.engine.compiled import NO_FLASH, compile_choice, compile_forward, compile_mode, mark_static
+from vase.engine.cache import VaseCache, cache_capacity, key_buckets, row_buckets, to_device
+from vase.engine.compiled import compile_choice, compile_forward, compile_mode, mark_static
 from vase.engine.geometry import has_attention_sinks, model_geometry
 from vase.engine.policy import Policy
 from vase.engine.requests import DecodeStats, Finished, Request, StepInfo, _Row
@@ -80,8 +80,8 @@ class Decoder:
         check_policy_output: validate every eviction's indices (debug; syncs per eviction).
         score_dtype: the dtype of the policy's score math (``EvictionInputs.score_dtype``; bfloat16 = the authors').
         row_id: how a row is named in hooks and in the cache (default ``(key, sample)``).
-        compile: ``off`` | ``on`` | ``auto``: compile the decode forward, one graph per bucket of live rows
-            (:mod:`vase.engine.compiled`; CUDA graphs on CUDA); the prefill stays eager.
+        compile: ``off`` | ``on`` | ``auto``: compile the decode forward, one graph per bucket of live rows and
+            key-length bucket (:mod:`vase.engine.compiled`; CUDA graphs on CUDA); the prefill stays eager.
         compile_backend: ``torch.compile``'s backend (default inductor; tests pass a graph-counting one).
     """
 
@@ -139,10 +139,8 @@ class Decoder:
         self.backend, self.backend_reason = backend_choice(
             attn_backend, self.device, param.dtype, sinks=has_attention_sinks(model)
         )
-        if self.compiled and self.backend == "flash_attn":  # auto: the compiled step cannot trace flash-attn's call
-            self.backend, self.backend_reason = "sdpa", f"auto: sdpa, the compiled step runs SDPA ({NO_FLASH})"
         logger.info("attention backend: %s (%s)", self.backend, self.backend_reason)
-        if attn_backend == "auto" and self.device.type == "cuda" and self.backend != "flash_attn" and not self.compiled:
+        if attn_backend == "auto" and self.device.type == "cuda" and self.backend != "flash_attn":
             logger.warning(
                 "attn_backend=auto falls back to SDPA: %s (install: pip install flash-attn --no-build-isolation)",
                 self.backend_reason.removeprefix("auto: "),
@@ -182,10 +180,10 @@ class Decoder:
         self._t0 = time.perf_counter()
         self._forward = self._decode_forward
         self._static_marked = False
-        self._buckets_seen: set[int] = set()  # row buckets whose graph has run (a compiled step)
+        self._buckets_seen: set[tuple[int, int]] = set()  # (row bucket, key length) graphs that have run (compiled)
         if self.compiled:
-            self.cache.bucketed = True  # one graph per bucket of live rows
-            buckets = len(row_buckets(rows))
+            self.cache.bucketed = True  # one graph per bucket of live rows and key-length bucket
+            buckets = len(row_buckets(rows)) * len(self.key_buckets())
             self._forward = compile_forward(self._decode_forward, self.device, buckets, compile_backend)
 
     # ---- public ------------------------------------------------------------------------------------------------
@@ -206,7 +204,13 @@ class Decoder:
             "choice": self.compile_reason,
             "mode": compile_mode(self.device) if self.compiled else None,
             "row_buckets": row_buckets(self.geometry.rows) if self.compiled else None,
+            "key_buckets": list(self.key_buckets()),
         }
+
+    def key_buckets(self) -> tuple[int, ...]:
+        """The key lengths a decode step's K/V views may span (:meth:`~vase.engine.cache.VaseCache.step_span`)."""
+        cap = self.geometry.capacity
+        return tuple(sorted({self.cache.step_span(b) for b in key_buckets(cap)}))
 
     def attention_report(self) -> dict:
         """What the attention runs on, for the run's manifest (:func:`vase.engine.attention.attention_report`)."""
@@ -375,15 +379,20 @@ class Decoder:
         # a logits hook may change the logits (teacher forcing): the tokens are then drawn again after it, from the
         # same keys (the row's token key, the token's position), so an unchanged row draws the same token
         redraw = None if self.on_logits is None else cache.pos_t[:n] + 1
-        first = self.compiled and b not in self._buckets_seen
+        first = self.compiled and (b, cache.step_length) not in self._buckets_seen
         t0 = time.perf_counter() if first else 0.0
         logits, tok, finite = self._forward(self._next_tok[:b].view(b, 1), cache.pos_t[:b].view(b, 1))
         if first:  # host time only (no sync): dynamo's trace and inductor's compile or cache load dominate it
             seconds = time.perf_counter() - t0
-            self._buckets_seen.add(b)
+            self._buckets_seen.add((b, cache.step_length))
             self.stats.compile_seconds += seconds
             self.stats.compiled_buckets += 1
-            logger.info("decode step compiled for a bucket of %d rows in %.1f s (its first forward)", b, seconds)
+            logger.info(
+                "decode step compiled for %d rows x %d key slots in %.1f s (its first forward)",
+                b,
+                cache.step_length,
+                seconds,
+            )
         logits, tok = logits[:n], tok[:n]
         cache.advance()
         self.step += 1
@@ -403,10 +412,11 @@ class Decoder:
         """The decode forward and sampling of rows ``[0, b)``: ``input_ids``, ``position_ids`` ``(b, 1)`` → the last
         logits ``(b, V)``, the sampled tokens ``(b,)`` and whether each row's logits are finite ``(b,)`` bool.
 
-        Reads only tensors and run-constant host state (``cache.step_rows`` and ``cache.bucketed`` among them), so
-        ``torch.compile(fullgraph=True)`` traces it once per row bucket (:mod:`vase.engine.compiled`), the sampling's
-        counter-based hash fused into the step's graph. A token's noise is keyed by the row's token key and the
-        token's position (``position_ids + 1``), so the padding rows' draws never touch a live row's.
+        Reads only tensors and run-constant host state (``cache.step_rows``, ``cache.step_length`` and
+        ``cache.bucketed`` among them), so ``torch.compile(fullgraph=True)`` traces it once per row and key bucket
+        (:mod:`vase.engine.compiled`), the sampling's counter-based hash fused into the step's graph. A token's noise is
+        keyed by the row's token key and the token's position (``position_ids + 1``), so the padding rows' draws never
+        touch a live row's.
         """
         cache = self.cache
         out = self.model(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, vase_cache=cache)

@@ -80,10 +80,10 @@ class VaseLayer(CacheLayerMixin):
         Prefill (``owner.prefilling``): ``(1, H, P, D)`` written to slots ``[0, P)`` of every row being admitted;
         returns the prompt's own keys/values (batch 1), so the prefill attention runs once for all its samples.
         Decode: ``(b, H, 1, D)``, one token per row of the step (``b = owner.step_rows``) at the row's own length;
-        returns the views ``(b, H, S, D)`` of rows ``[0, b)``, ``S = owner.step_length``: the capacity when the step
-        is compiled (the same shapes and storage at every step of a row bucket), else the longest row rounded up to
-        :data:`~vase.engine.cache.LENGTH_BUCKET`; each row is masked to its own tokens by the attention
-        (``docs/architecture.md``, "Static decode shapes").
+        returns the views ``(b, H, S, D)`` of rows ``[0, b)``, ``S = owner.step_length``: the smallest key-length
+        bucket that holds the longest row (:func:`~vase.engine.cache.key_buckets`; compiled, one graph per row bucket
+        and key bucket); each row is masked to its own tokens by the attention (``docs/architecture.md``, "Static
+        decode shapes", "Bytes read per step").
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
