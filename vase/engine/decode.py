@@ -40,8 +40,17 @@ from typing import Any
 import torch
 
 from vase.engine.attention import attention_report, backend_choice, vase_attention
-from vase.engine.cache import VaseCache, cache_capacity, row_buckets, to_device
-from vase.engine.compiled import NO_FLASH, compile_choice, compile_forward, compile_mode, mark_static
+from vase.engine.cache import VaseCache, cache_capacity, row_bucket, row_buckets, to_device
+from vase.engine.capture import CaptureWatch
+from vase.engine.compiled import (
+    NO_FLASH,
+    compile_choice,
+    compile_forward,
+    compile_mode,
+    drain_bucket,
+    mark_static,
+    own_dynamo_cache,
+)
 from vase.engine.geometry import has_attention_sinks, model_geometry
 from vase.engine.policy import Policy
 from vase.engine.requests import DecodeStats, Finished, Request, StepInfo, _Row
@@ -178,6 +187,8 @@ class Decoder:
         self._forward = self._decode_forward
         self._static_marked = False
         self._buckets_seen: set[int] = set()  # row buckets whose graph has run (a compiled step)
+        self._draining = False  # no request pending: the live rows only decrease (compiled: drain_bucket)
+        self.capture = CaptureWatch(self.device, compile)  # each bucket's compile and CUDA-graph capture
         if self.compiled:
             self.cache.bucketed = True  # one graph per bucket of live rows
             buckets = len(row_buckets(rows))
@@ -201,6 +212,9 @@ class Decoder:
             "choice": self.compile_reason,
             "mode": compile_mode(self.device) if self.compiled else None,
             "row_buckets": row_buckets(self.geometry.rows) if self.compiled else None,
+            "cuda_graphs": compile_mode(self.device) == "reduce-overhead" if self.compiled else False,
+            # per bucket so far: compile seconds, forwards, CUDA graphs recorded / replayed, skips and torch's reason
+            "buckets": self.capture.report(),
         }
 
     def attention_report(self) -> dict:
@@ -228,6 +242,8 @@ class Decoder:
                         f"{need} cache slots per row, the cache has {self.geometry.capacity}"
                     )
             queue.append((req, samples, list(req.seeds), limit, prompt))
+        if self.compiled:
+            own_dynamo_cache(self)  # any number of compiled decoders per process (see its docstring)
         with vase_attention(self.model):
             while True:
                 yield from self._admit(queue)
@@ -236,6 +252,7 @@ class Decoder:
                     if not queue:
                         break
                     continue
+                self._draining = not queue
                 yield from self._decode_until_sync(n)
 
     # ---- admission -----------------------------------------------------------------------------------------
@@ -362,23 +379,18 @@ class Decoder:
         evicted.
         """
         cache = self.cache
-        cache.prepare_step(n)
+        cache.prepare_step(n, self._bucket(n) if self.compiled else None)
         b = cache.step_rows  # n, or its bucket when the step is compiled (padding rows' logits are dropped)
-        if self.compiled and not self._static_marked and self.device.type == "cuda":
+        if self.compiled and not self._static_marked:
             mark_static(cache)  # the layers' storage exists after the first prefill
             self._static_marked = True
         # a logits hook may change the logits (teacher forcing): the tokens are then drawn again after it, from the
         # same keys (the row's token key, the token's position), so an unchanged row draws the same token
         redraw = None if self.on_logits is None else cache.pos_t[:n] + 1
-        first = self.compiled and b not in self._buckets_seen
-        t0 = time.perf_counter() if first else 0.0
-        logits, tok, finite = self._forward(self._next_tok[:b].view(b, 1), cache.pos_t[:b].view(b, 1))
-        if first:  # host time only (no sync): dynamo's trace and inductor's compile or cache load dominate it
-            seconds = time.perf_counter() - t0
-            self._buckets_seen.add(b)
-            self.stats.compile_seconds += seconds
-            self.stats.compiled_buckets += 1
-            logger.info("decode step compiled for a bucket of %d rows in %.1f s (its first forward)", b, seconds)
+        if self.compiled:
+            logits, tok, finite = self._compiled_forward(b)
+        else:
+            logits, tok, finite = self._forward(self._next_tok[:b].view(b, 1), cache.pos_t[:b].view(b, 1))
         logits, tok = logits[:n], tok[:n]
         cache.advance()
         self.step += 1
@@ -391,6 +403,32 @@ class Decoder:
         self._next_tok[:n] = tok
         self._buf[:n, pending] = tok
         return held, tok, evicted
+
+    def _bucket(self, n: int) -> int:
+        """The row bucket a compiled step of ``n`` live rows covers: :func:`~vase.engine.cache.row_bucket`, or in the
+        drain :func:`~vase.engine.compiled.drain_bucket` (a tiny bucket is not compiled for the last tokens)."""
+        want = row_bucket(n, self.geometry.rows)
+        if not self._draining:
+            return want
+        remaining = max(row.limit - row.produced for row in self._slots[:n])
+        return drain_bucket(want, n, self._buckets_seen, remaining)
+
+    def _compiled_forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The compiled forward of the bucket of ``b`` rows, watched (:class:`~vase.engine.capture.CaptureWatch`:
+        ``generation.compile=on`` raises here when torch skipped its CUDA graph); its first forward timed as the
+        bucket's compile."""
+        first = b not in self._buckets_seen
+        t0 = time.perf_counter() if first else 0.0
+        with self.capture.forward(b) as bucket:
+            out = self._forward(self._next_tok[:b].view(b, 1), self.cache.pos_t[:b].view(b, 1))
+        if first:  # host time only (no sync): dynamo's trace and inductor's compile or cache load dominate it
+            seconds = time.perf_counter() - t0
+            self._buckets_seen.add(b)
+            bucket.compile_seconds += seconds
+            self.stats.compile_seconds += seconds
+            self.stats.compiled_buckets += 1
+            logger.info("decode step compiled for a bucket of %d rows in %.1f s (its first forward)", b, seconds)
+        return out
 
     def _decode_forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor
