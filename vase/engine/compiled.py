@@ -10,9 +10,13 @@ token sampling is part of the compiled forward (its counter-based hash fuses int
 the eviction stay eager (they run between forwards).
 
 On CUDA the compile mode is ``"reduce-overhead"`` (CUDA-graph capture by torch's cudagraph trees): the cache's
-buffers are marked as static addresses (:func:`mark_static`) so the captured graph reads and writes them in place;
+buffers are marked as static addresses (:func:`mark_static`) so the captured graph reads and writes them in place
+(the layers index their storage inside the graph, so no two mutated inputs alias: ``tests/test_capture.py``);
 the token and position inputs are views of preallocated buffers (cudagraph trees copy them into the graph's own
-input buffers: a few bytes per step). Not run on a GPU yet (``docs/architecture.md``).
+input buffers: a few bytes per step). What capture did per bucket is watched and reported
+(:mod:`vase.engine.capture`). A compiled decoder owns dynamo's cache while it decodes (:func:`own_dynamo_cache`);
+the drain compiles no tiny bucket (:func:`drain_bucket`). Not run on a GPU yet (``docs/architecture.md``, "CUDA
+graphs").
 
 Selection policies (Quest, SeerAttention-R) are compiled too: their per-row state is made at each row's prefill,
 eagerly (:meth:`~vase.engine.policy.SelectionPolicy.init_state`), and lives in the state store (static addresses);
