@@ -32,7 +32,7 @@ from tests.test_continuous import MODEL, load_policy, prompts
 from vase.engine import Decoder, Request, SamplingConfig, sample_seeds
 from vase.engine.cache import cache_capacity
 from vase.engine.capture import NO_REASON, BucketCapture, CaptureWatch, merge_reports, observe, verdict
-from vase.engine.compiled import MIN_STEPS, drain_bucket, inductor_cache_dir
+from vase.engine.compiled import MIN_STEPS, drain_bucket, inductor_cache_dir, own_dynamo_cache
 from vase.models import tiny_model
 
 ROWS = 2
@@ -151,6 +151,26 @@ class GraphCounter:
         return gm.forward
 
 
+def test_a_new_compiled_decoder_resets_dynamo_once():
+    """The fast twin of the test below: dynamo is reset when a compiled decoder other than the last one starts, and
+    only then (the same decoder's next run keeps its graphs)."""
+
+    class Dec:  # any object: own_dynamo_cache keeps a weak reference to the decoder that compiled last
+        pass
+
+    a, b = Dec(), Dec()
+    own_dynamo_cache(a)
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch._dynamo, "reset", lambda: calls.append(1))
+        assert not own_dynamo_cache(a) and calls == []
+        assert own_dynamo_cache(b) and calls == [1]
+        assert not own_dynamo_cache(b) and calls == [1]
+        del b  # a dead decoder's graphs are dropped too
+        assert own_dynamo_cache(Dec()) and calls == [1, 1]
+
+
+@pytest.mark.slow  # ~60 s of CPU (six dynamo traces); its fast twin is the test above
 def test_many_compiled_decoders_in_one_process(qwen3):
     """Per-problem batching (a decoder per problem, each of its own capacity) then an in-process sweep over budgets
     (a decoder per cell): six compiled decoders of six capacities in one process, more graphs than one decoder's
