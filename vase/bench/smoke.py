@@ -314,7 +314,8 @@ def section_compile(sec: Section, model, cfg: dict, dry_run: bool) -> dict:
         sec.add(what, line, rows=cfg["rows"], tok_s=out[mode]["tok_s"])
         if mode == "on":
             for b in out[mode]["compile"]["buckets"]:
-                sec.add(*capture_line(b, out[mode]["compile"]["cuda_graphs"]), rows=b["rows"])
+                what_c, result, ok = capture_line(b, out[mode]["compile"]["cuda_graphs"])
+                sec.add(what_c, result, rows=b["rows"], ok=ok)
     same = sum(tokens["on"].get(k) == v for k, v in tokens["off"].items())
     out["samples_equal"] = f"{same}/{len(tokens['off'])}"
     # float32 (the dry run): identical; bf16 on a GPU, inductor's fused kernels may round differently (reported)
