@@ -405,8 +405,7 @@ class Decoder:
         return held, tok, evicted
 
     def _bucket(self, n: int) -> int:
-        """The row bucket a compiled step of ``n`` live rows covers: :func:`~vase.engine.cache.row_bucket`, or in the
-        drain :func:`~vase.engine.compiled.drain_bucket` (a tiny bucket is not compiled for the last tokens)."""
+        """A compiled step's row bucket for ``n`` live rows: ``row_bucket``, in the drain ``compiled.drain_bucket``."""
         want = row_bucket(n, self.geometry.rows)
         if not self._draining:
             return want
@@ -414,9 +413,8 @@ class Decoder:
         return drain_bucket(want, n, self._buckets_seen, remaining)
 
     def _compiled_forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The compiled forward of the bucket of ``b`` rows, watched (:class:`~vase.engine.capture.CaptureWatch`:
-        ``generation.compile=on`` raises here when torch skipped its CUDA graph); its first forward timed as the
-        bucket's compile."""
+        """The compiled forward of the bucket of ``b`` rows, watched (:class:`~vase.engine.capture.CaptureWatch`;
+        ``compile=on`` raises here on a skipped CUDA graph); its first forward timed as the bucket's compile."""
         first = b not in self._buckets_seen
         t0 = time.perf_counter() if first else 0.0
         with self.capture.forward(b) as bucket:
