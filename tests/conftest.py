@@ -82,6 +82,7 @@ PER_SESSION = frozenset(
         "decode_tokens_per_second",
         "decode_seconds_per_correct",
         "compile_seconds",
+        "compile_buckets",
         "decode_tokens_per_second_after_compile",
         "eviction_seconds",
         "prefill_seconds",

@@ -26,6 +26,7 @@ import torch
 import torch._dynamo
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import vase.engine.compiled as compiled
 from tests.test_continuous import MODEL, load_policy, prompts
 from vase.engine import Decoder, Request, SamplingConfig, sample_seeds
 from vase.engine.attention import SDPA_KERNELS, decompose_composite
@@ -115,7 +116,12 @@ def staggered(model, name: str, compile: str, backend=None, on_step=None, steps_
         compile=compile,
         compile_backend=backend,
     )
-    done = {(f.key, f.sample): f for f in dec.run(reqs)}
+    with pytest.MonkeyPatch.context() as mp:
+        # every bucket the live rows pass through is compiled (a run's drain keeps a compiled bucket over a tiny one,
+        # vase.engine.compiled.drain_bucket; tests/test_capture.py): the padding of every bucket is proven here
+        mp.setattr(compiled, "DRAIN_SHRINK", 1)
+        mp.setattr(compiled, "MIN_STEPS", 0)
+        done = {(f.key, f.sample): f for f in dec.run(reqs)}
     assert dec.stats.decode_steps >= steps_at_least, dec.stats.decode_steps
     return dec, done, buckets, addresses
 

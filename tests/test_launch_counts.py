@@ -14,7 +14,7 @@ Measured here, kernel-launching ops per decode step of 16 rows (a step's count i
                    before (per-layer storage and eviction)    after (stacked storage, one event)
 =================  =========================================  ========================================
 plain step         2,127                                      2,127
-evicting step      5,656 (+3,529 for one group of 2 rows)     2,256 (+129)
+evicting step      5,656 (+3,529 for one group of 2 rows)     2,272 (+145)
 sampling           77                                         77
 =================  =========================================  ========================================
 

@@ -313,11 +313,29 @@ def section_compile(sec: Section, model, cfg: dict, dry_run: bool) -> dict:
                 f"(rows {worst['rows']}, {worst['key_slots']} slots; {len(first_tenth)} shapes)"
             )
         sec.add(what, line, rows=cfg["rows"], tok_s=out[mode]["tok_s"])
+        if mode == "on":
+            for b in out[mode]["compile"]["buckets"]:
+                what_c, result, ok = capture_line(b, out[mode]["compile"]["cuda_graphs"])
+                sec.add(what_c, result, rows=b["rows"], ok=ok)
     same = sum(tokens["on"].get(k) == v for k, v in tokens["off"].items())
     out["samples_equal"] = f"{same}/{len(tokens['off'])}"
     # float32 (the dry run): identical; bf16 on a GPU, inductor's fused kernels may round differently (reported)
     sec.add("samples equal to eager", out["samples_equal"], ok=same == len(tokens["off"]) or not dry_run)
     return out
+
+
+def capture_line(bucket: dict, cuda_graphs: bool) -> tuple[str, str, bool]:
+    """The smoke table's line for one row bucket of the compiled step (:class:`vase.engine.capture.BucketCapture`):
+    ``(what, result, ok)``; a skipped capture (CUDA graphs expected) is a failure, with torch's reason."""
+    counts = (
+        f"compiled in {bucket['compile_seconds']:.1f} s; CUDA graphs recorded {bucket['recorded']}, replayed "
+        f"{bucket['replayed']} of {bucket['forwards']} forwards, skipped {bucket['skipped']}"
+    )
+    if bucket["skipped"]:
+        counts += f" ({bucket['reason']})"
+    if not cuda_graphs:
+        return "capture (no CUDA graphs here)", counts, True
+    return "capture", counts, not bucket["skipped"] and bucket["replayed"] > 0
 
 
 def first_vs_tenth(steps: list[tuple[tuple[int, int], float]]) -> list[dict]:

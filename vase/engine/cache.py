@@ -355,10 +355,11 @@ class VaseCache(Cache):
             for layer in self.evicting_layers:  # selection applies to full-attention layers only
                 layer.init_selection_state(slots, prompt_len)
 
-    def prepare_step(self, n_live: int) -> None:
+    def prepare_step(self, n_live: int, bucket: int | None = None) -> None:
         """Before a decode forward over rows ``[0, n_live)``: one token is appended to each.
 
-        Sets :attr:`step_rows` (``n_live``, or its bucket with :attr:`bucketed`) and rebuilds, in place and on the
+        Sets :attr:`step_rows` (``n_live``, or with :attr:`bucketed` ``bucket``, by default its
+        :func:`row_bucket`) and rebuilds, in place and on the
         device, what the forward reads of the rows' lengths: :attr:`held_mask` / :attr:`held_bias` (always built,
         every row masked to its own tokens), :attr:`seqlens_t` (FlashAttention) and, bucketed, :attr:`write_slot` /
         :attr:`live_t`. The forward itself then reads no per-row host state (its shapes depend on ``step_rows`` only).
@@ -372,7 +373,9 @@ class VaseCache(Cache):
                 f"cache capacity {self.geometry.capacity} exceeded (a row would hold {self.max_length_after_append}); "
                 "this is an engine bug: the eviction trigger should have fired"
             )
-        b = row_bucket(n_live, self.geometry.rows) if self.bucketed else n_live
+        b = (bucket or row_bucket(n_live, self.geometry.rows)) if self.bucketed else n_live
+        if not n_live <= b <= self.geometry.rows:
+            raise RuntimeError(f"a decode step's bucket of {b} rows for {n_live} live rows of {self.geometry.rows}")
         self.step_rows = b
         self.step_length = self.step_span(self.max_length_after_append)
         self.stepping = True

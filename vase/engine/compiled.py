@@ -13,9 +13,13 @@ part of the compiled forward (its counter-based hash fuses into a few kernels); 
 (they run between forwards).
 
 On CUDA the compile mode is ``"reduce-overhead"`` (CUDA-graph capture by torch's cudagraph trees): the cache's
-buffers are marked as static addresses (:func:`mark_static`) so the captured graph reads and writes them in place;
+buffers are marked as static addresses (:func:`mark_static`) so the captured graph reads and writes them in place
+(the layers index their storage inside the graph, so no two mutated inputs alias: ``tests/test_capture.py``);
 the token and position inputs are views of preallocated buffers (cudagraph trees copy them into the graph's own
-input buffers: a few bytes per step). Not run on a GPU yet (``docs/architecture.md``).
+input buffers: a few bytes per step). What capture did per bucket is watched and reported
+(:mod:`vase.engine.capture`). A compiled decoder owns dynamo's cache while it decodes (:func:`own_dynamo_cache`);
+the drain compiles no tiny bucket (:func:`drain_bucket`). Not run on a GPU yet (``docs/architecture.md``, "CUDA
+graphs").
 
 Selection policies (Quest, SeerAttention-R) are compiled too: their per-row state is made at each row's prefill,
 eagerly (:meth:`~vase.engine.policy.SelectionPolicy.init_state`), and lives in the state store (static addresses);
@@ -30,7 +34,9 @@ row's output cap is too short to amortise the compile, on otherwise.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -100,32 +106,104 @@ def compile_forward(
 ) -> Callable:
     """``torch.compile(fn, fullgraph=True, dynamic=False)`` with room for one graph per row bucket.
 
-    ``backend``: ``None`` = inductor (with :func:`compile_mode`); a callable ``backend(gm, example_inputs)`` (tests
-    count the graphs with one).
+    ``backend``: ``None`` = inductor (with :func:`compile_mode`; its on-disk cache under the model cache,
+    :func:`inductor_cache_dir`); a callable ``backend(gm, example_inputs)`` (tests count the graphs with one).
+    The budget is per decoder: :func:`own_dynamo_cache` empties dynamo's cache when another decoder starts.
     """
     limit = buckets + 1
     if torch._dynamo.config.recompile_limit < limit:
         logger.info("torch._dynamo recompile_limit raised to %d (one graph per row bucket)", limit)
         torch._dynamo.config.recompile_limit = limit
     if backend is None:
+        inductor_cache_dir()
         return torch.compile(fn, fullgraph=True, dynamic=False, mode=compile_mode(device))
     return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
 
 
+#: the compiled decoder whose graphs dynamo's cache holds (:func:`own_dynamo_cache`)
+_owner: weakref.ref | None = None
+
+
+def own_dynamo_cache(decoder) -> bool:
+    """Make ``decoder`` the one compiled decoder dynamo's cache serves: reset dynamo (``torch._dynamo.reset()``, on
+    CUDA with its cudagraph trees) when another decoder compiled last. Returns whether it reset.
+
+    Why a reset per decoder and not a larger recompile budget: dynamo caches per *code object*, and every
+    :class:`~vase.engine.decode.Decoder` compiles the same method, so its graphs pile up on one cache entry list; each
+    decoder guards on its own cache's tensors (static addresses), so no graph of one decoder ever serves another. A
+    budget grown with every decoder would keep every dead decoder's graphs, guards (evaluated in order at every
+    step) and CUDA-graph memory pools alive for the whole process, and still end at dynamo's global
+    ``accumulated_recompile_limit``. One process builds decoders one after another (``batching=per_problem``, an
+    in-process sweep), so dropping the previous decoder's graphs costs nothing; the on-disk inductor cache
+    (:func:`inductor_cache_dir`) makes a decoder of an already seen geometry load its kernels instead of generating
+    them. A decoder used again after another one (interleaved) compiles again, never hits the limit.
+    """
+    global _owner
+    if _owner is not None and _owner() is decoder:
+        return False
+    reset = _owner is not None
+    if reset:
+        logger.info("torch._dynamo.reset(): a new compiled decoder (the previous one's graphs are dropped)")
+        torch._dynamo.reset()
+    _owner = weakref.ref(decoder)
+    return reset
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's on-disk cache (generated kernels, FX graphs, AOTAutograd), persistent across runs: the user's
+    ``$TORCHINDUCTOR_CACHE_DIR`` if set, else ``<model cache>/inductor`` (``$VASE_CACHE`` or ``~/.cache/vase``, where
+    the converted models live; torch's default is a per-user folder under ``/tmp``). Set in the environment, which
+    inductor reads at every lookup, before the first compile."""
+    from vase.models import cache_dir
+
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
+#: in the drain (nothing left to admit) a smaller row bucket is compiled only if it is at most this fraction of the
+#: smallest compiled bucket that holds the live rows (:func:`drain_bucket`)
+DRAIN_SHRINK = 4
+
+
+def drain_bucket(want: int, live: int, compiled: set[int], remaining: int) -> int:
+    """The row bucket a decode step covers in the drain (no request pending: the live rows only decrease).
+
+    Args:
+        want: the bucket of the live rows (:func:`~vase.engine.cache.row_bucket`).
+        live: live rows.
+        compiled: the buckets compiled so far.
+        remaining: the most tokens a live row may still decode (its output cap minus its tokens: an upper bound).
+
+    ``want`` if it is compiled; else a new compile only when it pays: ``want`` is at most ``1 / DRAIN_SHRINK`` of the
+    smallest compiled bucket that holds the live rows and a row may still decode :data:`MIN_STEPS` tokens (``auto``'s
+    rule for compiling at all); otherwise that compiled bucket, its extra rows padding. Why: a drain compile serves only
+    the last rows' remaining tokens, and walking down every power of two compiles log2(rows) graphs in the tail of
+    every run; a padded step reads and computes no more than the steps before it in that bucket did (the padding rows
+    are free slots), so the drain is never slower per step than the decode before it, and the padding stays under
+    ``DRAIN_SHRINK`` x the live rows.
+    """
+    holding = [b for b in compiled if b >= live]
+    if want in compiled or not holding:
+        return want
+    smallest = min(holding)
+    if want * DRAIN_SHRINK <= smallest and remaining >= MIN_STEPS:
+        return want
+    return smallest
+
+
 def mark_static(cache) -> None:
     """Mark every buffer the compiled step reads or writes as a static address (CUDA-graph capture reads them in
-    place; call after the first prefill, when the layers' storage exists)."""
-    tensors = [cache.lengths_t, cache.pos_t, cache.row_index, cache.held_mask, cache._bias_buf, cache.seqlens_t]
-    tensors += [cache.write_slot, cache.live_t, cache.ring_slot, cache.ring_mask, cache._ring_bias_buf]
+    place; call after the first prefill, when the layers' storage exists). On any device: on the CPU nothing is
+    captured, but inductor is handed the same ``static_input_idxs`` (``tests/test_capture.py``)."""
+    tensors = [cache.lengths_t, cache.pos_t, cache.row_index, cache.held_mask, cache.held_bias, cache.seqlens_t]
+    tensors += [cache.write_slot, cache.live_t, cache.ring_slot, cache.ring_mask, cache.ring_bias]
     tensors.append(cache.ring_seqlens)
     if cache.attended is not None:
         tensors.append(cache.attended)
-    tensors += cache.storage.tensors()  # the stacked storage and every layer's views of it
+    # the stacked storage: the layers index it inside the graph (vase.engine.layer.storage_view), so their views are
+    # never graph inputs
+    tensors += cache.storage.tensors()
     if cache.policy.kind == "selection":  # the state select() updates in the forward (made at the first prefill)
         tensors += list(cache.storage.state.store.values())
-    for layer in cache.attention_layers:
-        tensors += [t for t in (layer.keys, layer.values, layer.positions, layer.queries) if t is not None]
-    tensors += [t for layer in cache.layers for t in _linear_views(layer)]
     for t in tensors:
         torch._dynamo.mark_static_address(t)
 

@@ -27,6 +27,9 @@ sample as soon as it ends:
 
 :func:`vase.engine.generate.generate` is the one-prompt form (its ``n_samples`` rows decoded together), used by
 tests, analyses and benchmarks.
+
+Long module: the decode loop's pieces (admission, the step with its row and key buckets, the compiled step's
+bookkeeping and CUDA-graph watch, the sync point, compaction) share the decoder's state and read best together.
 """
 
 from __future__ import annotations
@@ -40,8 +43,16 @@ from typing import Any
 import torch
 
 from vase.engine.attention import attention_report, backend_choice, vase_attention
-from vase.engine.cache import VaseCache, cache_capacity, key_buckets, row_buckets, to_device
-from vase.engine.compiled import compile_choice, compile_forward, compile_mode, mark_static
+from vase.engine.cache import VaseCache, cache_capacity, key_buckets, row_bucket, row_buckets, to_device
+from vase.engine.capture import CaptureWatch
+from vase.engine.compiled import (
+    compile_choice,
+    compile_forward,
+    compile_mode,
+    drain_bucket,
+    mark_static,
+    own_dynamo_cache,
+)
 from vase.engine.geometry import has_attention_sinks, model_geometry
 from vase.engine.policy import Policy
 from vase.engine.requests import DecodeStats, Finished, Request, StepInfo, _Row
@@ -181,6 +192,8 @@ class Decoder:
         self._forward = self._decode_forward
         self._static_marked = False
         self._buckets_seen: set[tuple[int, int]] = set()  # (row bucket, key length) graphs that have run (compiled)
+        self._draining = False  # no request pending: the live rows only decrease (compiled: drain_bucket)
+        self.capture = CaptureWatch(self.device, compile)  # each row bucket's compile and CUDA-graph capture
         if self.compiled:
             self.cache.bucketed = True  # one graph per bucket of live rows and key-length bucket
             buckets = len(row_buckets(rows)) * len(self.key_buckets())
@@ -205,6 +218,10 @@ class Decoder:
             "mode": compile_mode(self.device) if self.compiled else None,
             "row_buckets": row_buckets(self.geometry.rows) if self.compiled else None,
             "key_buckets": list(self.key_buckets()),
+            "cuda_graphs": compile_mode(self.device) == "reduce-overhead" if self.compiled else False,
+            # per row bucket so far (over its key buckets): compile seconds, forwards, CUDA graphs recorded / replayed,
+            # skips and torch's reason
+            "buckets": self.capture.report(),
         }
 
     def key_buckets(self) -> tuple[int, ...]:
@@ -237,6 +254,8 @@ class Decoder:
                         f"{need} cache slots per row, the cache has {self.geometry.capacity}"
                     )
             queue.append((req, samples, list(req.seeds), limit, prompt))
+        if self.compiled:
+            own_dynamo_cache(self)  # any number of compiled decoders per process (see its docstring)
         with vase_attention(self.model):
             while True:
                 yield from self._admit(queue)
@@ -245,6 +264,7 @@ class Decoder:
                     if not queue:
                         break
                     continue
+                self._draining = not queue
                 yield from self._decode_until_sync(n)
 
     # ---- admission -----------------------------------------------------------------------------------------
@@ -371,28 +391,18 @@ class Decoder:
         evicted.
         """
         cache = self.cache
-        cache.prepare_step(n)
+        cache.prepare_step(n, self._bucket(n) if self.compiled else None)
         b = cache.step_rows  # n, or its bucket when the step is compiled (padding rows' logits are dropped)
-        if self.compiled and not self._static_marked and self.device.type == "cuda":
+        if self.compiled and not self._static_marked:
             mark_static(cache)  # the layers' storage exists after the first prefill
             self._static_marked = True
         # a logits hook may change the logits (teacher forcing): the tokens are then drawn again after it, from the
         # same keys (the row's token key, the token's position), so an unchanged row draws the same token
         redraw = None if self.on_logits is None else cache.pos_t[:n] + 1
-        first = self.compiled and (b, cache.step_length) not in self._buckets_seen
-        t0 = time.perf_counter() if first else 0.0
-        logits, tok, finite = self._forward(self._next_tok[:b].view(b, 1), cache.pos_t[:b].view(b, 1))
-        if first:  # host time only (no sync): dynamo's trace and inductor's compile or cache load dominate it
-            seconds = time.perf_counter() - t0
-            self._buckets_seen.add((b, cache.step_length))
-            self.stats.compile_seconds += seconds
-            self.stats.compiled_buckets += 1
-            logger.info(
-                "decode step compiled for %d rows x %d key slots in %.1f s (its first forward)",
-                b,
-                cache.step_length,
-                seconds,
-            )
+        if self.compiled:
+            logits, tok, finite = self._compiled_forward(b)
+        else:
+            logits, tok, finite = self._forward(self._next_tok[:b].view(b, 1), cache.pos_t[:b].view(b, 1))
         logits, tok = logits[:n], tok[:n]
         cache.advance()
         self.step += 1
@@ -405,6 +415,32 @@ class Decoder:
         self._next_tok[:n] = tok
         self._buf[:n, pending] = tok
         return held, tok, evicted
+
+    def _bucket(self, n: int) -> int:
+        """A compiled step's row bucket for ``n`` live rows: ``row_bucket``, in the drain ``compiled.drain_bucket``."""
+        want = row_bucket(n, self.geometry.rows)
+        if not self._draining:
+            return want
+        remaining = max(row.limit - row.produced for row in self._slots[:n])
+        return drain_bucket(want, n, {rows for rows, _ in self._buckets_seen}, remaining)
+
+    def _compiled_forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The compiled forward of the bucket of ``b`` rows and the step's key length (one graph per pair), watched
+        (:class:`~vase.engine.capture.CaptureWatch`, per row bucket; ``compile=on`` raises here on a skipped CUDA
+        graph); the first forward of each graph timed as its compile."""
+        graph = (b, self.cache.step_length)
+        first = graph not in self._buckets_seen
+        t0 = time.perf_counter() if first else 0.0
+        with self.capture.forward(b) as bucket:
+            out = self._forward(self._next_tok[:b].view(b, 1), self.cache.pos_t[:b].view(b, 1))
+        if first:  # host time only (no sync): dynamo's trace and inductor's compile or cache load dominate it
+            seconds = time.perf_counter() - t0
+            self._buckets_seen.add(graph)
+            bucket.compile_seconds += seconds
+            self.stats.compile_seconds += seconds
+            self.stats.compiled_buckets += 1
+            logger.info("decode step compiled for %d rows x %d key slots in %.1f s (first forward)", *graph, seconds)
+        return out
 
     def _decode_forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor

@@ -21,6 +21,34 @@ from transformers.cache_utils import CacheLayerMixin
 from vase.engine.geometry import LayerCounters, span_of
 from vase.engine.policy import SelectionInputs
 
+#: the layer's views of the stacked storage (:class:`~vase.engine.storage.CacheStorage`), by the storage's name
+VIEWS = ("keys", "values", "positions", "queries", "last_call_pos")
+#: a sliding layer's views: of its ring (no query ring, no eviction calls)
+RING_OF = {"keys": "ring_keys", "values": "ring_values", "positions": "ring_positions"}
+
+
+def storage_view(name: str) -> property:
+    """A layer's view ``storage.<name>[:, store_idx]`` (``(rows, ...)``), ``None`` before :meth:`VaseLayer.bind` or
+    where the storage has no such tensor.
+
+    Eager: the view taken once by ``bind`` (no op per access). Inside a compiled step (``torch.compiler
+    .is_compiling()``): indexed from the stacked tensor *in the graph*, so the graph's inputs are the stacked tensors
+    alone. Were the per-layer views lifted as inputs, the graph would mutate several inputs that share one storage:
+    AOTAutograd then merges them into a synthetic base whose metadata has no static inputs, and cudagraph trees skip
+    the capture ("mutated inputs", ``docs/architecture.md``, "CUDA graphs").
+    """
+
+    def get(self) -> torch.Tensor | None:
+        if torch.compiler.is_compiling():
+            return self._view(name)
+        return self._views[name]
+
+    def set(self, value) -> None:  # transformers' CacheLayerMixin.__init__ sets keys / values to None
+        if value is not None:
+            raise AttributeError(f"{name}: a view of the stacked storage; write into it, never rebind it")
+
+    return property(get, set, doc=f"``storage.{name}[:, store_idx]`` (see :func:`storage_view`)")
+
 
 class VaseLayer(CacheLayerMixin):
     """One layer of the static cache (see the module docstring).
@@ -46,9 +74,7 @@ class VaseLayer(CacheLayerMixin):
         self.is_sliding = kind == "sliding_attention"
         self.window: int | None = owner.geometry.sliding_window if self.is_sliding else None
         self.store_idx = layer_idx if store_idx is None else store_idx  # index in its storage (full or ring)
-        self.positions: torch.Tensor | None = None
-        self.queries: torch.Tensor | None = None
-        self.last_call_pos: torch.Tensor | None = None
+        self._views: dict[str, torch.Tensor | None] = dict.fromkeys(VIEWS)  # eager: taken once by bind()
         self.counters = LayerCounters()
 
     # ---- transformers' CacheLayerMixin API -------------------------------------------------------------------
@@ -62,17 +88,23 @@ class VaseLayer(CacheLayerMixin):
         self.bind()
 
     def bind(self) -> None:
-        """Take this layer's views of the (allocated) stacked storage."""
-        st, i = self.owner.storage, self.store_idx
+        """Take this layer's views of the (allocated) stacked storage (what eager steps read: :func:`storage_view`)."""
+        st = self.owner.storage
         self.device = st.keys.device
         self.is_initialized = True
-        if self.is_sliding:  # (rows, H, window, D) ring views; no query ring
-            self.keys, self.values = st.ring_keys[:, i], st.ring_values[:, i]
-            self.positions = st.ring_positions[:, i]
-            return
-        self.keys, self.values, self.positions = st.keys[:, i], st.values[:, i], st.positions[:, i]
-        if st.queries is not None:
-            self.queries, self.last_call_pos = st.queries[:, i], st.last_call_pos[:, i]
+        for name in VIEWS:
+            self._views[name] = self._view(name)
+
+    def _view(self, name: str) -> torch.Tensor | None:
+        """``storage.<name>[:, store_idx]`` (a sliding layer: its ring's), ``None`` where the storage has none."""
+        base = getattr(self.owner.storage, (RING_OF.get(name, "") if self.is_sliding else name) or "", None)
+        return None if base is None else base[:, self.store_idx]
+
+    keys = storage_view("keys")
+    values = storage_view("values")
+    positions = storage_view("positions")
+    queries = storage_view("queries")
+    last_call_pos = storage_view("last_call_pos")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append the new keys/values in place; return what the attention runs over.

@@ -144,13 +144,24 @@ class LinearLayer(LinearAttentionCacheLayerMixin):
     def __init__(self, layer_idx: int, slot: int, owner: Any, states: LinearStates):
         # not LinearAttentionCacheLayerMixin.__init__: the states exist already, and has_previous_state / conv_states
         # / recurrent_states are views chosen per forward (properties below)
-        self.layer_idx, self.slot, self.owner = layer_idx, slot, owner
-        self.conv, self.recurrent = states.conv[slot], states.recurrent[slot]
+        self.layer_idx, self.slot, self.owner, self.states = layer_idx, slot, owner, states
+        self._conv, self._recurrent = states.conv[slot], states.recurrent[slot]  # eager: the views taken once
         self.kernel = states.shape.kernel
         self.device, self.dtype = states.conv.device, states.conv.dtype
         self.is_conv_states_initialized = {0: True}
         self.is_recurrent_states_initialized = {0: True}
         self.conv_kernel_size = {0: self.kernel}
+
+    @property
+    def conv(self) -> torch.Tensor:
+        """``states.conv[slot]``: taken once (eager), or indexed inside a compiled step so that the graph's inputs are
+        the stacked states alone (no two mutated inputs alias: ``vase.engine.layer.storage_view``)."""
+        return self.states.conv[self.slot] if torch.compiler.is_compiling() else self._conv
+
+    @property
+    def recurrent(self) -> torch.Tensor:
+        """``states.recurrent[slot]`` (as :attr:`conv`)."""
+        return self.states.recurrent[self.slot] if torch.compiler.is_compiling() else self._recurrent
 
     # ---- what transformers' Cache reads ------------------------------------------------------------------------
     @property

@@ -21,6 +21,7 @@ import torch
 
 from vase.engine import Decoder, Request, model_geometry
 from vase.engine.cache import cache_capacity
+from vase.engine.capture import merge_reports
 from vase.engine.memory import plan_rows
 from vase.reasoning import output_text
 from vase.run.grading_pool import Grader
@@ -153,6 +154,7 @@ def decode(
 
     grader.on_row = on_row
     session: dict = {}
+    captures: list[list[dict]] = []  # each decoder's compile and CUDA-graph capture per row bucket
     for group, rows in plans + ([(too_long, 1)] if too_long else []):
         capacity = max(cache_capacity(policy, len(w.ids), max(1, limits[w.problem.id])) for w in group)
         geometry = model_geometry(model, 1, capacity, prompt_len=max(len(w.ids) for w in group))
@@ -215,6 +217,11 @@ def decode(
                     recorder.dump(kept_sets_path(run_dir, fin.key), recorder.take(fin.key))
         finally:
             meter.flush()
+            captures.append(dec.capture.report())
+    if session and any(captures):  # what capture did per bucket is known only now: the manifest says it
+        session["compile"]["buckets"] = merge_reports(captures)
+        if rank in (None, 0):
+            write_json(run_dir / "manifest.json", session)
     grader.close()  # wait for the last grades
     if meter is not None:
         meter.show(bar)

@@ -43,6 +43,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from vase.engine.capture import merge_reports, report_delta
 from vase.run.metrics import classify_output, mean_pass_at_1, mean_pass_at_k
 from vase.run.results import (
     THROUGHPUT,
@@ -386,6 +387,8 @@ def _throughput(run_dir: Path) -> dict:
         # a compiled step: the first forward of each row bucket, and the decode speed without it
         "compile_seconds": compile_s,
         "decode_tokens_per_second_after_compile": tokens / steady_s if compile_s and steady_s > 0 else None,
+        # per row bucket of a compiled step: compile seconds, forwards, CUDA graphs recorded / replayed, skips (reason)
+        "compile_buckets": merge_reports([x.get("buckets", []) for x in lines]),
         "prefill_seconds": sum(x["prefill_seconds"] for x in lines) / prefills if prefills else None,
         "rows_in_flight": max(x["rows"] for x in lines),
         "rows_in_flight_mean": sum(x["row_steps"] for x in lines) / steps if steps else None,
@@ -512,6 +515,7 @@ class ThroughputLog:
         self.t_start = self.t_last = time.perf_counter()
         self.t_show = 0.0
         self.last = asdict(dec.stats)
+        self.last_buckets: list[dict] = []  # the decoder's capture report at the last line
         self.max_rows = 0
 
     def step(self, bar, info) -> None:
@@ -549,6 +553,8 @@ class ThroughputLog:
         delta = {k: st[k] - self.last[k] for k in st if k != "max_live_rows"}
         if not delta["decode_steps"] and not delta["prefills"]:
             return
+        buckets = self.dec.capture.report()  # compiled: per row bucket, compile seconds and CUDA-graph capture
+        delta["buckets"], self.last_buckets = report_delta(buckets, self.last_buckets), buckets
         g = self.dec.geometry
         append_jsonl(
             self.path,
