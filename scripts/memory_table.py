@@ -4,8 +4,9 @@
     python scripts/memory_table.py                          # print the table
     python scripts/memory_table.py --update docs/scaling.md # rewrite the table between its markers
 
-Each preset's config is read with ``AutoConfig`` (the hub cache, or the hub when online); a preset whose config
-cannot be read is listed as such, never guessed. Numbers: :mod:`vase.run.memory_plan` (weights per rank from the
+Each preset's config is read with ``AutoConfig`` (the hub cache, or the hub when online); where neither answers, from
+the preset's committed copy (``conf/model/configs``, :func:`vase.configs.hub_config`, logged); a preset with neither is
+listed as such, never guessed. Numbers: :mod:`vase.run.memory_plan` (weights per rank from the
 config on the meta device, the cache of :func:`vase.engine.geometry.config_geometry`, the workspace reserve).
 """
 
@@ -22,6 +23,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from vase.configs import hub_config  # noqa: E402
 from vase.engine.geometry import config_geometry  # noqa: E402
 from vase.models import cache_dir  # noqa: E402
 from vase.parallel import kv_heads_split, weight_bytes  # noqa: E402
@@ -66,8 +68,8 @@ def table() -> str:
             continue
         local = cache_dir() / name  # a wheel model converted once (vase.models.convert_offline_model)
         try:
-            config = AutoConfig.from_pretrained(local if (local / "config.json").exists() else name)
-        except Exception as err:  # offline without the config in the cache
+            config = AutoConfig.from_pretrained(local) if (local / "config.json").exists() else hub_config(name)
+        except Exception as err:  # offline, not in the cache and no committed copy
             lines.append(f"| {path.stem} | config not readable here ({type(err).__name__}) | | | | |")
             continue
         g = config_geometry(config, 1, 1, torch.bfloat16, "cpu")
