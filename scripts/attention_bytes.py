@@ -9,13 +9,17 @@ decode of ``vase.bench.attention_bytes`` (tiny Qwen3, 5 rows; docs/architecture.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from vase.bench.attention_bytes import BytesReport, staggered_decode
-from vase.bench.jobs import make_policy
-from vase.engine.cache import row_buckets
-from vase.models import tiny_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for a run from anywhere
+
+from vase.bench.attention_bytes import BytesReport, staggered_decode  # noqa: E402
+from vase.bench.jobs import make_policy  # noqa: E402
+from vase.engine.cache import row_buckets  # noqa: E402
+from vase.models import tiny_model  # noqa: E402
 
 POLICIES = ("full", "vase_dkv")
 ROWS = 5

@@ -95,7 +95,7 @@ def _divides(config, tensor: int) -> bool:
         return False
 
 
-def main() -> None:
+def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--update", type=Path, help="rewrite the table between its markers in this file")
@@ -103,14 +103,17 @@ def main() -> None:
     text = table()
     if args.update is None:
         print(text)
-        return
+        return 0
     doc = args.update.read_text()
     if BEGIN not in doc or END not in doc:
-        raise SystemExit(f"{args.update}: no {BEGIN} ... {END} markers to rewrite")
+        raise ValueError(f"--update: {args.update} has no {BEGIN} ... {END} markers to rewrite; add them")
     head, rest = doc.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     args.update.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    from vase.run.oneline import script_main
+
+    script_main(main)

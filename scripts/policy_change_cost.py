@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from baselines.h2o import H2O
-from baselines.keydiff import KeyDiff
-from baselines.triattention import TriAttention
-from tests.authors_rules import rule_inputs
-from tests.policy_configs import calibrate
-from vase.engine.evict import prefill_column_sums
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for a run from anywhere
+
+from baselines.h2o import H2O  # noqa: E402
+from baselines.keydiff import KeyDiff  # noqa: E402
+from baselines.triattention import TriAttention  # noqa: E402
+from tests.authors_rules import rule_inputs  # noqa: E402
+from tests.policy_configs import calibrate  # noqa: E402
+from vase.engine.evict import prefill_column_sums  # noqa: E402
 
 
 def _time(policy, inputs_fn, repeats: int) -> float:
@@ -34,7 +38,7 @@ def _time(policy, inputs_fn, repeats: int) -> float:
     return statistics.median(out)
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--budget", type=int, default=512)
@@ -73,6 +77,7 @@ def main() -> None:
         t0 = time.perf_counter()
         prefill_column_sums(q, k, d**-0.5)
         print(f"h2o prefill seed, one layer, prompt {p}: {time.perf_counter() - t0:.4f} s")
+    return 0
 
 
 def _with(inputs, capacity):
@@ -81,5 +86,7 @@ def _with(inputs, capacity):
 
 
 if __name__ == "__main__":
+    from vase.run.oneline import script_main
+
     torch.manual_seed(0)
-    main()
+    script_main(main)

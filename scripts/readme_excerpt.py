@@ -39,4 +39,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from vase.run.oneline import script_main
+
+    script_main(main)

@@ -354,13 +354,13 @@ def test_a_non_contiguous_group_is_uploaded_once_per_step(monkeypatch):
     dec = _meta_decoder(load_policy("vase_dkv"), prompts=(30, 37, 30), rows=3)
     detector = SyncDetector(monkeypatch)
     draws = Counter()
-    bits = RowRNG.bits
+    bits_at = RowRNG.bits_at  # every draw's hashes (bits, uniform, normal) go through it
 
-    def counted(self, numel):
+    def counted(self, j):
         draws[(detector.phase, isinstance(self.stream, torch.Tensor), self.key.shape[0])] += 1
-        return bits(self, numel)
+        return bits_at(self, j)
 
-    monkeypatch.setattr(RowRNG, "bits", counted)
+    monkeypatch.setattr(RowRNG, "bits_at", counted)
     with torch.inference_mode(), vase_attention(dec.model), detector:
         for i in range(12):
             detector.phase = ("step", i + 1)
