@@ -195,6 +195,19 @@ def read_gate_config(directory: str | Path, where: str | None = None, weights: b
     return config
 
 
+def _gate_error(exc: Exception, repo: str, requested: str) -> Exception:
+    """The one-line error for gates that cannot be fetched from ``repo`` at ``requested`` (:func:`hub_error`)."""
+    return hub_error(
+        exc,
+        f"policy seer_attention_r: cannot load gates {repo}@{requested}",
+        repo,
+        "model",
+        requested,
+        "policy.gate_revision",
+        GATE_FALLBACK,
+    )
+
+
 def resolve_gates(repo: str, revision: str | None) -> tuple[GateConfig, str | None]:
     """``repo``'s gate ``config.json`` at ``revision`` (downloaded, or found in the hub cache offline) and the commit
     it resolved to, without the weights: the preflight's check that the gates can be reached at all.
@@ -209,15 +222,7 @@ def resolve_gates(repo: str, revision: str | None) -> tuple[GateConfig, str | No
 
         cfg = hf_hub_download(repo, CONFIG_FILE, revision=requested)
     except Exception as exc:
-        raise hub_error(
-            exc,
-            f"policy seer_attention_r: cannot load gates {repo}@{requested}",
-            repo,
-            "model",
-            requested,
-            "policy.gate_revision",
-            GATE_FALLBACK,
-        ) from None
+        raise _gate_error(exc, repo, requested) from None
     commit = snapshot_sha(cfg)
     return read_gate_config(Path(cfg).parent, f"policy.gate_repo={repo}@{commit or requested}", weights=False), commit
 
@@ -298,15 +303,7 @@ def fetch_gates(repo: str, revision: str | None) -> Gates:
                 raise
             hf_hub_download(repo, WEIGHTS_SAFETENSORS, revision=snapshot_sha(cfg) or requested)
     except Exception as exc:
-        raise hub_error(
-            exc,
-            f"policy seer_attention_r: cannot load gates {repo}@{requested}",
-            repo,
-            "model",
-            requested,
-            "policy.gate_revision",
-            GATE_FALLBACK,
-        ) from None
+        raise _gate_error(exc, repo, requested) from None
     commit = snapshot_sha(cfg)
     if not is_commit_sha(revision):
         logger.warning(
