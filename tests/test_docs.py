@@ -371,6 +371,8 @@ def needs(command: Command, cli) -> str | None:
         name, device = prep.model_spec.name, str(prep.model_spec.device)
         if not (name in OFFLINE_MODELS or name.startswith("tiny:") or (ROOT / name).is_dir()):
             return f"the hub (model {name})"
+        if name in OFFLINE_MODELS and not all(importlib.util.find_spec(p) for p in OFFLINE_MODELS[name].packages):
+            return f"the offline model wheels of {name} (make setup-models; `make test` installs none)"
         if prep.task.data_dir is None and prep.task.hub_sources():
             return f"the hub (task {prep.task.name} without task.data_dir)"
         if device.startswith("cuda"):
