@@ -355,6 +355,13 @@ def test_every_command_composes_and_its_settings_pass(command, cli, tmp_path):
             pytest.fail(f"{command}\n  -> {err}")
 
 
+def _wheels_installed(name: str) -> bool:
+    """Whether the PyPI wheels of the offline model ``name`` are installed (``make setup-models``)."""
+    from vase.models import OFFLINE_MODELS
+
+    return all(importlib.util.find_spec(p) for p in OFFLINE_MODELS[name].packages)
+
+
 def needs(command: Command, cli) -> str | None:
     """What a command needs that a test machine has not (``None``: nothing): GPUs for a ``torchrun`` line or a CUDA
     device, the hub for a hub model or a hub task without ``task.data_dir``. Read from its composed cells."""
@@ -371,10 +378,10 @@ def needs(command: Command, cli) -> str | None:
         name, device = prep.model_spec.name, str(prep.model_spec.device)
         if not (name in OFFLINE_MODELS or name.startswith("tiny:") or (ROOT / name).is_dir()):
             return f"the hub (model {name})"
-        if name in OFFLINE_MODELS and not all(importlib.util.find_spec(p) for p in OFFLINE_MODELS[name].packages):
-            return f"the offline model wheels of {name} (make setup-models; `make test` installs none)"
         if prep.task.data_dir is None and prep.task.hub_sources():
             return f"the hub (task {prep.task.name} without task.data_dir)"
+        if name in OFFLINE_MODELS and not _wheels_installed(name):
+            return f"the offline model wheels of {name} (make setup-models; `make test` installs none)"
         if device.startswith("cuda"):
             import torch
 
@@ -463,5 +470,8 @@ def test_needs_names_what_a_line_needs_beyond_this_machine(cli):
     assert needs(cmd("torchrun --nproc-per-node 8 run.py"), cli) == "GPUs (torchrun)"
     assert needs(cmd("python run.py model=qwen3_4b task=humaneval"), cli) == "the hub (model Qwen/Qwen3-4B)"
     assert needs(cmd("python run.py task=aime"), cli) == "the hub (task aime without task.data_dir)"
-    assert needs(cmd("python run.py task=math500 task.data_dir=../shared/data limit=1"), cli) is None
-    assert needs(cmd("python run.py -m policy=full,snapkv"), cli) is None
+    local = None if _wheels_installed("qwen2.5_coder_0.5b") else "the offline model wheels of qwen2.5_coder_0.5b"
+    lines = ("python run.py task=math500 task.data_dir=../shared/data limit=1", "python run.py -m policy=full,snapkv")
+    for line in lines:
+        reason = needs(cmd(line), cli)
+        assert reason == local if local is None else reason.startswith(local), (line, reason)
