@@ -11,9 +11,9 @@ token's causal softmax column sum over every prompt query, computed in chunks) s
 :meth:`H2O.prefill_state`); before a row's first eviction the engine shows :meth:`H2O.keep` the query ring each time
 it holds ``window`` new queries (an observation: every candidate kept); from then on each call counts the ring's
 queries new since the last one (``inputs.new_queries()``), exactly (the keys a query attended to are the held ones up
-to its position: nothing was evicted since). With ``evict_every > window`` the older queries of each period are
-missed. With ``keep_prompt`` the pinned prompt is not among the keys, so each decode query's softmax runs over the
-candidates and the window only.
+to its position: nothing was evicted since). With ``evict_every > window`` the engine also shows it the ring every
+``window`` steps after the first eviction, so no query is missed. With ``keep_prompt`` the pinned prompt is not among
+the keys, so each decode query's softmax runs over the candidates and the window only.
 
 The walkthrough of ``docs/policies.md`` builds this file step by step.
 """

@@ -363,3 +363,13 @@ def test_h2o_on_a_model_counts_every_query(prompt_len):
     assert cells == 4 * (89 - max(prompt_len, 32)) and equal == cells, (equal, cells)  # the 90th token is not fed
     cells, equal = h2o_on_model(H2ORingOnly(budget=32, window=8), prompt_len)
     assert equal < cells, "the ring-only H2O kept the faithful set everywhere: the check cannot tell them apart"
+
+
+@pytest.mark.parametrize("every", [16, 20])
+def test_h2o_with_a_period_longer_than_the_window_counts_every_query(every):
+    """``evict_every > window``: between two evictions more queries pass than the ring holds, so the engine also shows
+    H2O the ring every ``window`` steps after its first eviction. It keeps the step-by-step reference's set in every
+    cell (before this, only the ring's last ``window`` queries of each period counted: it kept it in 6 of 12 cells for
+    16, 10 of 12 for 20)."""
+    cells, equal = h2o_on_model(H2O(budget=32, window=8, evict_every=every), 16)
+    assert cells == 4 * len(range(every * -(-33 // every), 89, every)) and equal == cells, (equal, cells)

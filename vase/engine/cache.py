@@ -467,8 +467,13 @@ class VaseCache(Cache):
         return due
 
     def observe_rows(self, due: list[int]) -> list[int]:
-        """Rows an accumulating policy (``accumulates``: H2O) observes now: not due, never evicted (held <= budget),
-        with ``window`` decode queries since the prompt or the last observation, and candidates to show."""
+        """Rows an accumulating policy (``accumulates``: H2O) observes now: not due, with ``window`` decode queries
+        since the prompt (every ``window`` steps), and candidates to show.
+
+        Between two calls of ``keep`` (an eviction or an observation) at most ``window`` queries pass, so none leaves
+        the query ring unseen: before the first eviction, and after it when the eviction period exceeds ``window``
+        (``evict_every > window``; a row then holds more than the budget). With a period of at most ``window`` an
+        evicted row's evictions suffice and it is not observed."""
         p = self.policy
         if p.kind != "eviction" or not p.accumulates:
             return []
@@ -477,8 +482,8 @@ class VaseCache(Cache):
         for r in range(self.n_live):
             steps = self.next_pos[r] - self.prompt_lens[r]
             pinned = self.prompt_lens[r] if p.keep_prompt else 0
-            if r in skip or self.lengths[r] > p.budget or steps <= 0 or steps % w:
-                continue
+            if r in skip or steps <= 0 or steps % w or (self.lengths[r] > p.budget and p.eviction_period <= w):
+                continue  # an evicted row whose period is at most ``window`` is called often enough by its evictions
             if self.lengths[r] - p.protected_window - pinned > 0:
                 out.append(r)
         return out
