@@ -176,13 +176,18 @@ def _cyclic_block(score, k, protected=None):
     return torch.cat([torch.arange(int(n_sinks.max())).expand(*score.shape[:-1], -1), block], -1)
 
 
-@pytest.mark.parametrize(("sinks", "wrong"), [(0, False), (2, False), (0, True), (2, True)])
-def test_random_keeps_a_uniform_subset(sinks, wrong, monkeypatch):
-    """``random`` (and ``sinks`` > 0): the sinks always, then each 3-subset of the 6 others with probability 1/20."""
+@pytest.mark.parametrize(
+    ("name", "sinks", "wrong"),
+    [("random", 0, False), ("random_keep_prompt", 0, False), ("random", 2, False), ("random", 0, True),
+     ("random", 2, True)],
+)  # fmt: skip
+def test_random_keeps_a_uniform_subset(name, sinks, wrong, monkeypatch):
+    """``random`` (and ``sinks`` > 0): the sinks always, then each 3-subset of the 6 others with probability 1/20
+    (``random_keep_prompt``: the same among the generated candidates; the engine pins the prompt)."""
     n = 6 + sinks
     keys, values, _, queries = _tensors(n, seed=3)
     positions = torch.arange(n).view(1, 1, n)  # the sinks in the first slots (the wrong sampler assumes it)
-    policy = load_policy("random", budget=3 + sinks + 1, window=1, sinks=sinks)
+    policy = load_policy(name, budget=3 + sinks + 1, window=1, sinks=sinks)
     law = {tuple(sinks + i for i in s): 1 / 20 for s in itertools.combinations(range(6), 3)}
     if wrong:
         monkeypatch.setattr(baselines.random, "topk_with_protection", _cyclic_block)
