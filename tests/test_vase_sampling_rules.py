@@ -22,7 +22,7 @@ from tests.authors_rules import check_rule_on_geometry
 from tests.authors_rules_vase_sampling import authors_attention_scores
 from tests.test_policies import DIM, LAYOUTS, load_policy
 from vase.engine.policy import EvictionInputs
-from vase.engine.scores import topk_with_protection
+from vase.engine.scores import topk_with_protection, windowed_attention_score
 
 M = 4000  # draws (rows, each its own stream)
 Z = 5.0  # standard errors allowed per subset frequency
@@ -33,6 +33,13 @@ def _wrong_sampler(weights, k, uniform, protected=None, excluded=None):
     return topk_with_protection(weights.double() * uniform.double(), k, protected=protected, excluded=excluded)
 
 
+def _score_with_the_window(self, inputs):
+    """A plausible wrong score: the softmax over the candidates and the recent window (theirs: the candidates)."""
+    keys = torch.cat([inputs.keys, inputs.window_keys], 2)
+    score = windowed_attention_score(inputs.queries, keys, inputs.scaling, smooth_kernel=self.smooth_kernel)
+    return score[..., : inputs.keys.shape[2]]
+
+
 # ---- the matrix check fails a wrong rule -----------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("name", "overrides", "patch"),
@@ -40,6 +47,7 @@ def _wrong_sampler(weights, k, uniform, protected=None, excluded=None):
         ("vase_attnv", {"sample": False}, None),  # sampling replaced by top-k (the authors' range_attn)
         ("vase_attnv", {"smooth_kernel": 1}, None),  # no --smooth
         ("snapkv_sample", {}, "top-k of p*u"),
+        ("vase_attnv", {}, "softmax over the candidates and the window"),
         ("vase_dkv", {"rank": 10}, None),  # another sketch than their r = 20
         ("vase_dkv", {"sinks": 0}, None),  # the sinks not forced
         ("random", {"sinks": 4}, None),  # sinks the authors' random eviction does not protect
@@ -47,8 +55,10 @@ def _wrong_sampler(weights, k, uniform, protected=None, excluded=None):
 )
 def test_a_wrong_rule_fails_the_authors_rule_check(name, overrides, patch, monkeypatch):
     h, hq = LAYOUTS["gqa"]
-    if patch:
+    if patch == "top-k of p*u":
         monkeypatch.setattr(vase.policies.attnv, "sample_without_replacement", _wrong_sampler)
+    elif patch:
+        monkeypatch.setattr(vase.policies.attnv.WindowedAttentionEviction, "score", _score_with_the_window)
     with pytest.raises(AssertionError, match="keeps another set than its authors' rule"):
         check_rule_on_geometry(load_policy(name, **overrides), name, h, hq, DIM, [0, 1, 2])
 
