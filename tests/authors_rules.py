@@ -16,6 +16,11 @@ float32). A config with a rule here is checked by ``tests/test_policies.py`` on 
 * **KeyDiff** (kvpress ``KeyDiffPress``): minus the cosine of each key to the mean of the unit-normalised keys of every
   held token.
 * **StreamingLLM** (mit-han-lab/streaming-llm ``StartRecentKVCache``): the sinks, then the newest.
+* The stochastic VaSE-repo configs (VaSE-AttnV, SnapKV + sampling, VaSE-DKV, random):
+  tests/authors_rules_vase_sampling.py.
+
+A rule is ``rule(policy, inputs)``; a stochastic one draws from ``inputs`` what the policy draws (same calls, same
+order), so its sampler gets the policy's random numbers.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from baselines.triattention import geometric_offsets
+from tests.authors_rules_vase_sampling import VASE_SAMPLING_RULES
 from vase.engine.policy import EvictionInputs
 
 INF = float("inf")
@@ -48,10 +54,12 @@ def _tri_head(k_pre, pos, now, q_mean, q_abs, inv_freq, offsets) -> torch.Tensor
     return torch.stack(per).mean(0) + extra
 
 
-def triattention_rule(policy, inputs: EvictionInputs, noise: torch.Tensor) -> torch.Tensor:
-    """Per-head mode; ``noise``: ``(B, Hq, N)`` the tie-break draws (``inputs.rand(Hq, N)`` of a twin input)."""
+def triattention_rule(policy, inputs: EvictionInputs, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-head mode; ``noise``: ``(B, Hq, N)`` the tie-break draws, by default the policy's ``inputs.rand(Hq, N)``."""
     b, h, n, _ = inputs.keys.shape
     hq = policy._q_mean.shape[1]
+    if noise is None:
+        noise = inputs.rand(inputs.queries.shape[1] if inputs.queries is not None else 1, n)
     g = hq // h
     held = torch.cat([inputs.positions, inputs.window_positions], -1)
     offsets = geometric_offsets(policy.offset_max_length).tolist()
@@ -126,16 +134,17 @@ AUTHORS_RULES = {
     "h2o": h2o_rule,
     "keydiff": keydiff_rule,
     "streaming": streaming_rule,
+    **VASE_SAMPLING_RULES,  # vase_attnv, snapkv_sample, vase_dkv, random, random_keep_prompt
 }
 
 
 def check_authors_rule(policy, inputs: EvictionInputs, twin: EvictionInputs, name: str, tol: float = 1e-4) -> None:
     """``policy.keep(inputs)`` keeps the reference's ``n_keep`` highest per (row, KV head), or differs only where the
     reference's boundary gap is below ``tol`` (relative to its largest finite score). ``twin``: the same inputs,
-    unused, for the tie-break draws."""
+    unused: the rule (``rule(policy, twin)``) draws from it what the policy draws, in the same order and shapes (the
+    streams are counter-based, so its draws equal the policy's)."""
     b, h, n, _ = inputs.keys.shape
-    noise = twin.rand(twin.queries.shape[1] if twin.queries is not None else 1, n) if name == "triattention" else None
-    ref = AUTHORS_RULES[name](policy, twin, noise)
+    ref = AUTHORS_RULES[name](policy, twin)
     keep = policy.keep(inputs)
     kept = torch.zeros(b, h, n, dtype=torch.bool).scatter_(-1, keep, True)
     order = ref.argsort(dim=-1, descending=True, stable=True)
