@@ -141,7 +141,7 @@ def check_authors_rule(policy, inputs: EvictionInputs, twin: EvictionInputs, nam
     order = ref.argsort(dim=-1, descending=True, stable=True)
     want = torch.zeros_like(kept).scatter_(-1, order[..., : inputs.n_keep], True)
     finite = ref[ref.isfinite()]
-    scale = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+    scale = finite.abs().max().item() if finite.numel() else 1.0  # no floor: scores summing to 1 are all < 1
     for r in range(b):
         for kv in range(h):
             if torch.equal(kept[r, kv], want[r, kv]):
