@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from baselines.triattention import geometric_offsets
+from tests.authors_rules_vase import VASE_RULES
 from vase.engine.policy import EvictionInputs
 
 INF = float("inf")
@@ -126,6 +127,7 @@ AUTHORS_RULES = {
     "h2o": h2o_rule,
     "keydiff": keydiff_rule,
     "streaming": streaming_rule,
+    **VASE_RULES,  # tests/authors_rules_vase.py: snapkv, snapkv_protect, rkv, curdkv, evict_large_value
 }
 
 
