@@ -16,8 +16,10 @@ scripts pass (``eval/reasoning_tasks/myscripts/*/eval_*.sh``, ``run_gsm8k.sh``; 
   ``λ·attention − (1 − λ)·redundancy``, no sinks.
 * **curdkv** — mode ``cur_fixed_gauss`` (no flags): ``‖k G‖²·‖v G‖²`` normalised, one Gaussian sketch
   ``G ~ N(0, 1) / sqrt(20)`` of shape ``(D, 20)`` per row and layer (shared by its KV heads) drawn at the layer's first
-  eviction and kept (their ``self.G``), 4 sinks at score 1.0, top-k.
+  eviction and kept (their ``self.G``), 4 sinks at score 1.0 (here ``+inf``), top-k.
 * **evict_large_value** — mode ``evict_large_range``: the ``K`` smallest value ranges, no sinks.
+
+The flags are constants here, not read from the policy: a config whose defaults differ from the authors' runs fails.
 
 Their attention score (``compute_attention_scores``): per query head, the window queries' logits ``q·k / (sqrt(D)·T)``
 and a softmax over the **candidate keys only** (``k_cache[:, :cur_len - residual]``: the recent window's keys are not
@@ -37,7 +39,8 @@ shuffles the positions over the slots, so a policy that pools along the text (``
 **Sinks**: only ``cur_fixed_gauss`` has them (``scores[:, :, :4] = 1.0``, storage slots 0-3). In their cache those slots
 always hold positions 0-3: the prompt is stored in position order and each eviction puts the four score-1.0 sinks first
 (every other score is below 1, the scores summing to 1). On inputs whose slots are shuffled the port therefore marks
-positions 0-3, the tokens their slots 0-3 hold. The ``attn`` modes have no sinks (``'sink'`` is not in their names).
+positions 0-3, the tokens their slots 0-3 hold (the engine keeps them in its slots 0-3 too: its sinks come back
+first). The ``attn`` modes have no sinks (``'sink'`` is not in their names).
 """
 
 from __future__ import annotations
