@@ -29,6 +29,7 @@ import torch
 
 from baselines.triattention import geometric_offsets
 from tests.authors_rules_vase_sampling import VASE_SAMPLING_RULES
+from tests.authors_rules_vase import VASE_RULES
 from vase.engine.policy import EvictionInputs
 
 INF = float("inf")
@@ -135,6 +136,7 @@ AUTHORS_RULES = {
     "keydiff": keydiff_rule,
     "streaming": streaming_rule,
     **VASE_SAMPLING_RULES,  # vase_attnv, snapkv_sample, vase_dkv, random, random_keep_prompt
+    **VASE_RULES,  # tests/authors_rules_vase.py: snapkv, snapkv_protect, rkv, curdkv, evict_large_value
 }
 
 
@@ -150,7 +152,7 @@ def check_authors_rule(policy, inputs: EvictionInputs, twin: EvictionInputs, nam
     order = ref.argsort(dim=-1, descending=True, stable=True)
     want = torch.zeros_like(kept).scatter_(-1, order[..., : inputs.n_keep], True)
     finite = ref[ref.isfinite()]
-    scale = max(1.0, finite.abs().max().item()) if finite.numel() else 1.0
+    scale = finite.abs().max().item() if finite.numel() else 1.0  # no floor: scores summing to 1 are all < 1
     for r in range(b):
         for kv in range(h):
             if torch.equal(kept[r, kv], want[r, kv]):

@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 from baselines.evict_large_value import EvictLargeValue
 from baselines.rkv import RKV
 from baselines.snapkv import SnapKV
-from tests.authors_rules import AUTHORS_RULES, check_rule_on_geometry
+from tests.authors_rules import AUTHORS_RULES, check_rule_on_geometry, rule_inputs
+from tests.authors_rules_vase import VASE_RULES, authors_storage_key, avg_pool
 from tests.policy_configs import ALL_CONFIGS, CONF, calibrate  # every conf/policy/*.yaml
 from vase.engine.policy import EvictionInputs, SelectionInputs
 from vase.engine.scores import (
@@ -585,3 +586,34 @@ def test_an_inverted_rule_fails_the_authors_rule_check(monkeypatch):
     old = calibrate(load_policy("triattention", selection="per_layer_head"), layers=3, q_heads=hq, head_dim=DIM)
     with pytest.raises(AssertionError, match="keeps another set than its authors' rule"):
         check_rule_on_geometry(old, "triattention", h, hq, DIM, [0, 1, 2])
+
+
+def test_a_wrong_vase_rule_fails_the_authors_rule_check(monkeypatch):
+    """The VaSE ports (tests/authors_rules_vase.py) can fail: SnapKV pooling along the text (``smooth_along=position``,
+    a setting) instead of the storage slots, and SnapKV with its softmax over the candidates and the recent window
+    (their softmax takes the candidates only) keep other sets than the authors' ``attn`` mode."""
+    h, hq = LAYOUTS["gqa"]
+    with pytest.raises(AssertionError, match="keeps another set than its authors' rule"):
+        check_rule_on_geometry(load_policy("snapkv", smooth_along="position"), "snapkv", h, hq, DIM, [0, 1, 2])
+
+    def over_candidates_and_window(self, inputs):
+        n = inputs.keys.shape[2]
+        keys = torch.cat([inputs.keys, inputs.window_keys], dim=2)
+        wide = windowed_attention_score(inputs.queries, keys, inputs.scaling, smooth_kernel=1)
+        return avg_pool(wide[..., :n].double()).float()
+
+    monkeypatch.setattr(SnapKV, "score", over_candidates_and_window)
+    with pytest.raises(AssertionError, match="keeps another set than its authors' rule"):
+        check_rule_on_geometry(load_policy("snapkv"), "snapkv", h, hq, DIM, [0, 1, 2])
+
+
+@pytest.mark.parametrize("name", sorted(VASE_RULES))
+def test_vase_configs_keep_in_the_authors_storage_order(name):
+    """The kept candidates come back in the order of the authors' ``ids_to_keep`` (``range_attn``'s protected block by
+    decreasing value range, then by decreasing score): the slot order their next eviction's smoothing pools along."""
+    h, hq = LAYOUTS["gqa"]
+    policy = load_policy(name)
+    make = lambda: rule_inputs(policy, h, hq, DIM, 2, [0, 1, 2])  # noqa: E731
+    inputs, twin = make(), make()
+    key = authors_storage_key(name, policy, twin).gather(-1, policy.keep(inputs))
+    assert (key.diff(dim=-1) <= 1e-6).all(), f"{name}: kept candidates out of the authors' order"
