@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from baselines.triattention import geometric_offsets
+from tests.authors_rules_originals import curdkv_original_rule, rkv_original_rule
 from vase.engine.policy import EvictionInputs
 
 INF = float("inf")
@@ -126,6 +127,8 @@ AUTHORS_RULES = {
     "h2o": h2o_rule,
     "keydiff": keydiff_rule,
     "streaming": streaming_rule,
+    "rkv_original": rkv_original_rule,
+    "curdkv_original": curdkv_original_rule,
 }
 
 
