@@ -28,8 +28,9 @@ from __future__ import annotations
 import torch
 
 from baselines.triattention import geometric_offsets
-from tests.authors_rules_vase_sampling import VASE_SAMPLING_RULES
+from tests.authors_rules_originals import curdkv_original_rule, rkv_original_rule
 from tests.authors_rules_vase import VASE_RULES
+from tests.authors_rules_vase_sampling import VASE_SAMPLING_RULES
 from vase.engine.policy import EvictionInputs
 
 INF = float("inf")
@@ -135,6 +136,8 @@ AUTHORS_RULES = {
     "h2o": h2o_rule,
     "keydiff": keydiff_rule,
     "streaming": streaming_rule,
+    "rkv_original": rkv_original_rule,
+    "curdkv_original": curdkv_original_rule,
     **VASE_SAMPLING_RULES,  # vase_attnv, snapkv_sample, vase_dkv, random, random_keep_prompt
     **VASE_RULES,  # tests/authors_rules_vase.py: snapkv, snapkv_protect, rkv, curdkv, evict_large_value
 }
