@@ -327,3 +327,25 @@ def test_the_comparisons_carry_a_bootstrap_ci_and_holm_adjusted_sign_flip_p(reas
     assert comp["p_holm"].to_numpy()[order] == pytest.approx(adjusted)
     text = pilot_markdown(pilot_table(reasoning_tree), comparisons=pilot_comparisons(reasoning_tree))
     assert "| keeping the prompt: SnapKV |" in text and "95 % CI" in text and "p (Holm)" in text
+
+
+@pytest.mark.parametrize(
+    "expected, delta, p, want",
+    [
+        ("< 0", -25.0, 0.001, "reproduces"),
+        ("< 0", -5.0, 0.3, "expected sign, not separated"),
+        ("> 0", -15.6, 0.055, "opposite sign, not separated"),
+        ("> 0 (RA)", -15.6, 0.01, "opposite sign, separated"),
+        ("> 0", 0.0, 1.0, "no difference"),
+        ("≈ 0", 14.1, 0.021, "separated: not level"),
+        ("≈ 0 (RA)", -3.1, 0.9, "level (not separated)"),
+        ("> 0", float("nan"), float("nan"), "–"),
+    ],
+)
+def test_a_comparisons_verdict_reads_its_sign_and_holm_p(expected, delta, p, want):
+    """The verdict column: the sign against the expectation, "separated" at Holm-adjusted p < 0.05 (the boundary
+    itself is not separated)."""
+    from vase.analysis.pilot import verdict
+
+    assert verdict(expected, delta, p) == want
+    assert verdict("< 0", -1.0, 0.05) == "expected sign, not separated"

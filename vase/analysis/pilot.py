@@ -257,7 +257,30 @@ def pilot_comparisons(root: str | Path, comparisons=COMPARISONS) -> pd.DataFrame
         out["p_holm"] = out.groupby(["task", "model", "budget"], sort=False)["p"].transform(
             lambda p: pd.Series(holm(p.to_numpy(dtype=float)), index=p.index)
         )
+        out["verdict"] = [verdict(e, d, p) for e, d, p in zip(out["expected"], out["delta"], out["p_holm"])]
     return out
+
+
+#: the family-wise level at which a comparison counts as separated (Holm-adjusted p below it)
+ALPHA = 0.05
+
+
+def verdict(expected: str, delta: float, p_holm: float, alpha: float = ALPHA) -> str:
+    """A comparison read against its expectation: ``expected`` ``"> 0"`` / ``"< 0"`` (a sign) or ``"≈ 0"`` (parity),
+    each possibly followed by a source (``"> 0 (RA)"``); ``delta`` the paired difference, ``p_holm`` its
+    Holm-adjusted p-value. "separated" means ``p_holm < alpha``."""
+    if math.isnan(delta) or math.isnan(p_holm):
+        return "–"
+    separated = p_holm < alpha
+    if expected.startswith("≈"):
+        return "separated: not level" if separated else "level (not separated)"
+    want = 1 if expected.startswith(">") else -1
+    sign = (delta > 0) - (delta < 0)
+    if sign == 0:
+        return "no difference"
+    if sign == want:
+        return "reproduces" if separated else "expected sign, not separated"
+    return "opposite sign, separated" if separated else "opposite sign, not separated"
 
 
 def pilot_regime(root: str | Path) -> pd.DataFrame:
@@ -495,11 +518,13 @@ def comparisons_markdown(comp: pd.DataFrame) -> list[str]:
         "Paired comparisons (A − B on the same problems and seeds, points of pass@1 ± paired SE over problems; 95 % "
         "CI: percentile bootstrap over problems, 2000 resamples, seed 0; p: sign-flip test of the per-problem "
         "differences, Holm-adjusted over the comparisons of one budget; expected: the paper's finding, or Random "
-        "Attention's (RA); paper GSM8K Δ: the paper rows of the two policies in the table above, subtracted; ‡: one of "
+        f"Attention's (RA); verdict: the difference read against it, separated when p (Holm) < {ALPHA}; "
+        "paper GSM8K Δ: the paper rows of the two policies in the table above, subtracted; ‡: one of "
         "them is from the authors' development tables):",
         "",
-        "| comparison | A | B | budget | Δ ± paired SE | 95 % CI | p (Holm) | problems | expected | paper GSM8K Δ |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| comparison | A | B | budget | Δ ± paired SE | 95 % CI | p (Holm) | problems | expected | verdict "
+        "| paper GSM8K Δ |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for _, r in comp.iterrows():
         delta = "–" if math.isnan(r["delta"]) else f"{r['delta']:+.1f} ± {_f(r['delta_se'])}"
@@ -508,7 +533,7 @@ def comparisons_markdown(comp: pd.DataFrame) -> list[str]:
         paper = "–" if math.isnan(r["paper_gsm8k"]) else f"{r['paper_gsm8k']:+.{2 if dev else 1}f}{' ‡' if dev else ''}"
         lines.append(
             f"| {r['comparison']} | {r['a']} | {r['b']} | {_budget(r['budget'])} | {delta} | {ci} | "
-            f"{fmt_p(r['p_holm'])} | {r['problems']} | {r['expected']} | {paper} |"
+            f"{fmt_p(r['p_holm'])} | {r['problems']} | {r['expected']} | {r['verdict']} | {paper} |"
         )
     lines.append("")
     return lines
