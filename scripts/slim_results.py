@@ -22,8 +22,13 @@ def main() -> int:
     ap.add_argument("results", type=Path, help="the pilot's results tree (results/pilot)")
     ap.add_argument("archive", type=Path, help="the compact archive to write (docs/data/pilot.tar.xz)")
     ap.add_argument("--wall-seconds", type=float, default=None, help="wall time of the command that ran the pilot")
+    ap.add_argument(
+        "--machine",
+        default=None,
+        help="the machine the runs ran on, in words (for manifests without device.cpu, recorded since issue 38)",
+    )
     args = ap.parse_args()
-    info = slim_tree(args.results, args.archive, wall_seconds=args.wall_seconds)
+    info = slim_tree(args.results, args.archive, wall_seconds=args.wall_seconds, machine=args.machine)
     size = args.archive.stat().st_size
     print(f"{args.archive}: {info['runs']} runs, {info['samples']} samples of {args.results} ({size / 1024:.0f} KiB)")
     return 0

@@ -499,14 +499,24 @@ def regime_markdown(regime: pd.DataFrame) -> list[str]:
     lines = []
     for _, r in regime.iterrows():
         holds = "holds every prompt + the window" if r["holds_prompts"] else "does NOT hold every prompt + the window"
-        lines.append(
+        head = (
             f"Regime ({r['task']}, {r['model']}): budget B = {r['budget']}, window W = {r['window']}; prompts "
             f"{r['prompt_mean']:.0f} tokens on average (P̄; max {r['prompt_max']}), so the budget {holds}; the full "
-            f"cache writes {r['full_output_mean']:.0f} output tokens on average; B − P̄ − W = {r['gen_slots']:.0f} "
-            f"slots for generated tokens: compression of the generated tokens "
-            f"**{r['full_output_mean']:.0f} / {r['gen_slots']:.0f} = {r['gen_compression']:.1f}×**."
+            f"cache writes {r['full_output_mean']:.0f} output tokens on average; "
         )
-        lines.append("")
+        if r["gen_slots"] > 0:
+            tail = (
+                f"B − P̄ − W = {r['gen_slots']:.0f} slots for generated tokens: compression of the generated tokens "
+                f"**{r['full_output_mean']:.0f} / {r['gen_slots']:.0f} = {r['gen_compression']:.1f}×**."
+            )
+        else:  # the prompt itself is compressed: say how much of the whole sequence the budget keeps
+            whole = r["prompt_mean"] + r["full_output_mean"]
+            tail = (
+                f"B − P̄ − W = {r['gen_slots']:.0f}: no slot is left for generated tokens once the prompt is held, so "
+                f"every policy evicts prompt tokens; a whole sequence at its end (P̄ + output = {whole:.0f} tokens) "
+                f"is **{whole / r['budget']:.1f}×** the budget."
+            )
+        lines += [head + tail, ""]
     return lines
 
 

@@ -16,6 +16,7 @@ them and rewrites, with the generators of :mod:`vase.analysis.pilot`:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +25,10 @@ from vase.analysis.pilot import (
     BLOCKS,
     pilot_comparisons,
     pilot_markdown,
+    pilot_regime,
     pilot_table,
     reasoning_markdown,
+    regime_markdown,
     summary_markdown,
 )
 from vase.analysis.slim import SUFFIX, open_slim, slim_info
@@ -111,15 +114,52 @@ def render(pub: Published, data: Path) -> tuple[str, str]:
                 command="make tables",
             )
         else:
-            text = pilot_markdown(
+            text = "\n".join([*regime_markdown(pilot_regime(root)), ""]) + pilot_markdown(
                 table, info.get("wall_seconds"), command="make tables", comparisons=pilot_comparisons(root)
             )
+        text += machine_line(root, info.get("machine"))
         used = ", ".join(f"`{archive(DATA, n).as_posix()}`" for n in pub.names() if n in roots)
         text += (
             f"From the compact results {used} ({info['runs']} runs, {info['samples']} samples of "
             f"`{info['source']}`; `{pub.make}`, then `make slim`).\n"
         )
         return text, summary_markdown(table, f"[docs/pilot.md](docs/pilot.md) ({pub.block!r} block)")
+
+
+def _distinct(values) -> str:
+    """The distinct values in first-seen order, joined by " / " (``?`` for none)."""
+    seen = list(dict.fromkeys(str(v) for v in values if v is not None))
+    return " / ".join(seen) if seen else "?"
+
+
+def machine_line(root: Path, machine: str | None = None) -> str:
+    """Where the runs under ``root`` ran, from their manifests: the CPU (``device.cpu`` and the kernels torch picked;
+    else ``machine``, the slim step's words), the dtype, torch's threads and the rows in flight per process, and the
+    library versions. One line ending in a newline."""
+    manifests = [json.loads(p.read_text()) for p in sorted(Path(root).rglob("manifest.json"))]
+    if not manifests:
+        return ""
+    dev = [m.get("device", {}) for m in manifests]
+    ranks = [r for m in manifests for r in m.get("ranks", [])]
+    libs = [m.get("libraries", {}) for m in manifests]
+    gpus = _distinct(d.get("cuda_device") for d in dev)
+    if gpus != "?":
+        where = gpus
+    elif any(d.get("cpu") for d in dev):
+        isa = _distinct(d.get("cpu_capability") for d in dev)
+        bf16 = {d.get("cpu_bf16") for d in dev} - {None}
+        native = {frozenset({True}): ", native bf16", frozenset({False}): ", no native bf16"}.get(frozenset(bf16), "")
+        where = f"{_distinct(d.get('cpus') for d in dev)}-core {_distinct(d.get('cpu') for d in dev)} ({isa}{native})"
+    else:
+        where = machine or f"a {_distinct(d.get('cpus') for d in dev)}-core CPU (its model not recorded)"
+    dtype = _distinct(str(r.get("dtype")).removeprefix("torch.") for r in ranks if r.get("dtype"))
+    threads = _distinct(d.get("torch_threads") for d in dev)
+    rows = _distinct(r.get("rows_in_flight") for r in ranks)
+    versions = ", ".join(f"{k} {_distinct(v.get(k) for v in libs)}" for k in ("torch", "transformers"))
+    return (
+        f"Ran on: {where}; {dtype}; {threads} torch thread(s) and {rows} rows in flight per process; {versions} "
+        f"({len(manifests)} manifests).\n"
+    )
 
 
 def _block(content: str, begin: str, end: str) -> tuple[str, str, str] | None:

@@ -69,8 +69,9 @@ def _jsonl(rows: list[dict]) -> bytes:
     return "".join(json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n" for r in rows).encode("utf-8")
 
 
-def slim_files(src: str | Path, *, wall_seconds: float | None = None) -> dict[str, bytes]:
-    """The files of the slim tree of the results tree ``src``: relative path -> content.
+def slim_files(src: str | Path, *, wall_seconds: float | None = None, machine: str | None = None) -> dict[str, bytes]:
+    """The files of the slim tree of the results tree ``src``: relative path -> content. ``machine``: the CPU or GPU
+    the runs ran on, in words, for manifests that predate their ``device.cpu`` field (``slim.json``'s ``machine``).
 
     Raises:
         ValueError: ``src`` is not a directory or holds no vase run (one line naming it).
@@ -108,6 +109,7 @@ def slim_files(src: str | Path, *, wall_seconds: float | None = None) -> dict[st
         "runs": runs,
         "samples": samples,
         "wall_seconds": wall_seconds,
+        **({"machine": machine} if machine else {}),
         "dropped_fields": list(DROPPED_FIELDS),
         "max_answer_chars": MAX_ANSWER,
     }
@@ -133,9 +135,11 @@ def pack(files: dict[str, bytes], archive: str | Path) -> Path:
     return archive
 
 
-def slim_tree(src: str | Path, archive: str | Path, *, wall_seconds: float | None = None) -> dict:
+def slim_tree(
+    src: str | Path, archive: str | Path, *, wall_seconds: float | None = None, machine: str | None = None
+) -> dict:
     """Slim the results tree ``src`` into ``archive`` (see the module docstring); return its ``slim.json``."""
-    files = slim_files(src, wall_seconds=wall_seconds)
+    files = slim_files(src, wall_seconds=wall_seconds, machine=machine)
     pack(files, archive)
     return json.loads(files[INFO])
 

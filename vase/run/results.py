@@ -421,6 +421,26 @@ def library_versions() -> dict[str, str | None]:
     return out
 
 
+def _probe(name: str) -> bool | None:
+    """``torch.cpu.<name>()`` (a private capability probe), or ``None`` where this torch lacks it."""
+    import torch
+
+    fn = getattr(torch.cpu, name, None)
+    return bool(fn()) if callable(fn) else None
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``'s first ``model name``, else ``platform.processor()``), or ``None``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def device_info() -> dict[str, Any]:
     """The machine: platform, CPU count, and the CUDA device when there is one."""
     import torch
@@ -430,6 +450,10 @@ def device_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the ATen kernels torch picked: AVX2, AVX512...
+        "cpu_bf16": _probe("_is_avx512_bf16_supported"),  # native bf16 (AVX-512 BF16): model.dtype=auto may pick it
+        "cpu_amx": _probe("_is_amx_tile_supported"),
     }
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name()
