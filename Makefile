@@ -71,7 +71,7 @@ $(MODELS_DONE): $(SETUP_DONE)
 run: setup-models  ## the embedded default on a real offline model; more settings: make run ARGS="limit=1 n_samples=1"
 	$(PY) run.py $(ARGS)
 
-pilot: setup-models  ## the CPU pilot study (sweep=pilot, ~90 min on 2 cores, resumable), its report, docs/data/pilot.tar.xz, the tables
+pilot: setup-models  ## the CPU pilot study (sweep=pilot, about an hour on 2 cores, resumable), its report, docs/data/pilot.tar.xz, the tables
 	@start=$$(date +%s); \
 	$(PY) run.py -m sweep=pilot progress=false $(ARGS) && \
 	$(PY) scripts/report.py results/pilot --out results/pilot/report && \
@@ -86,7 +86,7 @@ pilot-extended: setup-models  ## the pilot's extended set (streaming, snapkv_pro
 
 REASONING_ARGS = $(if $(DATA_DIR),task.data_dir=$(DATA_DIR)) progress=false $(ARGS)
 
-pilot-reasoning: setup-models  ## the second CPU pilot, in the paper's regime (MATH-500; ~90 min on 2 cores, resumable)
+pilot-reasoning: setup-models  ## the second CPU pilot, in the paper's regime (MATH-500; about an hour on 2 cores, resumable)
 	@start=$$(date +%s); \
 	$(PY) run.py -m sweep=pilot_reasoning $(REASONING_ARGS) && \
 	$(PY) run.py -m sweep=pilot_reasoning_keep_prompt $(REASONING_ARGS) && \
