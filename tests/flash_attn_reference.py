@@ -16,9 +16,24 @@ The real kernels also require fp16/bf16 on CUDA; this reference accepts float32 
 
 from __future__ import annotations
 
+import sys
+import types
+
 import torch
 
 calls: list[dict] = []  # what the engine passed (tests inspect it)
+
+
+def install(monkeypatch) -> None:
+    """Make ``import flash_attn`` give this reference and let the engine pick FlashAttention-2 on the CPU (for the
+    test only: ``monkeypatch`` undoes both)."""
+    module = types.ModuleType("flash_attn")
+    module.flash_attn_func = flash_attn_func
+    module.flash_attn_with_kvcache = flash_attn_with_kvcache
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+    monkeypatch.setattr(
+        "vase.engine.decode.backend_choice", lambda backend, device, dtype=None, sinks=False: (backend, "test")
+    )
 
 
 def _check_bshd(name: str, x: torch.Tensor) -> None:

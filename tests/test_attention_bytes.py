@@ -14,9 +14,6 @@
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
 
@@ -144,13 +141,7 @@ def test_bytes_read_compiled_full(model):
 def cpu_flash(monkeypatch):
     """``flash_attn`` = tests/flash_attn_reference.py (the prefill's ``flash_attn_func``), the engine allowed to pick
     it on the CPU; the decode runs the ``vase::flash_decode`` operator's own CPU kernel."""
-    module = types.ModuleType("flash_attn")
-    module.flash_attn_func = ref.flash_attn_func
-    module.flash_attn_with_kvcache = ref.flash_attn_with_kvcache
-    monkeypatch.setitem(sys.modules, "flash_attn", module)
-    monkeypatch.setattr(
-        "vase.engine.decode.backend_choice", lambda backend, device, dtype=None, sinks=False: (backend, "test")
-    )
+    ref.install(monkeypatch)
 
 
 @pytest.mark.slow  # 90 s: eager and compiled; the operator itself is traced and checked in the default suite

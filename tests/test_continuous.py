@@ -317,18 +317,9 @@ def test_a_request_that_does_not_fit_the_cache_is_refused_before_decoding(model)
 @pytest.fixture
 def fake_flash(monkeypatch):
     """``flash_attn`` = tests/flash_attn_reference.py, and the engine allowed to pick it on CPU."""
-    import sys
-    import types
-
     from tests import flash_attn_reference as ref
 
-    module = types.ModuleType("flash_attn")
-    module.flash_attn_func = ref.flash_attn_func
-    module.flash_attn_with_kvcache = ref.flash_attn_with_kvcache
-    monkeypatch.setitem(sys.modules, "flash_attn", module)
-    monkeypatch.setattr(
-        "vase.engine.decode.backend_choice", lambda backend, device, dtype=None, sinks=False: (backend, "test")
-    )
+    ref.install(monkeypatch)
 
     def flash_decode_cpu(q, k_cache, v_cache, cache_seqlens, scale):  # the vase::flash_decode op's CPU kernel
         return ref.flash_attn_with_kvcache(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.test_distributed import ENV, ROOT, TORCHRUN, _metrics, _samples, needs_torchrun
+from tests.test_distributed import ENV, ROOT, SMALL, TORCHRUN, _metrics, _samples, needs_torchrun
 from vase.engine.policy import EvictionInputs
 from vase.engine.rng import RowRNG
 from vase.run.distributed import World
@@ -19,20 +19,7 @@ from vase.run.memory_plan import GIB, plan_memory, reserve_bytes
 
 # a tiny qwen3 of 4 KV heads (8 query heads): 2 ranks hold 2 KV heads each; three generated gsm_symbolic problems,
 # two samples each, sampled at temperature 1, float32
-TP = [
-    "model=tiny",
-    "+model.tiny.num_key_value_heads=4",
-    "+model.tiny.num_attention_heads=8",
-    "task=gsm_symbolic",
-    "logger=none",
-    "limit=3",
-    "n_samples=2",
-    "budget=32",
-    "window=16",
-    "generation.max_length=116",
-    "generation.grade_workers=0",
-    "progress=false",
-]
+TP = ["model=tiny", "+model.tiny.num_key_value_heads=4", "+model.tiny.num_attention_heads=8", *SMALL[1:]]
 TIMING = {"decode_seconds", "prefill_seconds", "wall_seconds", "decode_tokens_per_second", "eviction_seconds"}
 #: per rank, not per run: a rank's own storage and memory
 PER_RANK = {"kv_allocated_bytes", "kv_allocated_bytes_per_row", "peak_memory_bytes", "run_dir"}
