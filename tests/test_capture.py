@@ -241,13 +241,14 @@ def skipping_backend(reason: str):
     return backend
 
 
-def test_an_injected_skip_is_an_error_with_compile_on(qwen3):
+@pytest.mark.parametrize("setting", ["on", True])  # True: YAML's ``compile: true``
+def test_an_injected_skip_is_an_error_with_compile_on(qwen3, setting):
     """``generation.compile=on``: torch's skip (counted and logged while the bucket compiles) stops the decode with
     torch's reason; nothing is decoded silently without graphs."""
     torch._dynamo.reset()
     reason = "skipping cudagraphs due to mutated inputs (3 instances)"
     with pytest.raises(RuntimeError, match=r"generation.compile=on: CUDA graphs were not captured .*mutated inputs"):
-        run(qwen3, load_policy("vase_dkv"), "on", skipping_backend(reason))
+        run(qwen3, load_policy("vase_dkv"), setting, skipping_backend(reason))
 
 
 def test_an_injected_skip_is_one_warning_with_auto(caplog):

@@ -51,6 +51,18 @@ COMPILE_SETTINGS = ("auto", "on", "off")
 MIN_STEPS = 256
 
 
+def compile_setting(setting: Any) -> str:
+    """``generation.compile`` as one of :data:`COMPILE_SETTINGS` (YAML's ``true`` / ``false`` / ``null``: on / off /
+    off); a one-line ``ValueError`` for anything else."""
+    if setting is True:
+        return "on"
+    if setting is False or setting is None:
+        return "off"
+    if setting not in COMPILE_SETTINGS:
+        raise ValueError(f"generation.compile: must be one of {', '.join(COMPILE_SETTINGS)}, got {setting!r}")
+    return setting
+
+
 def compile_choice(
     setting: Any, device: torch.device, policy, expected_steps: int | None, attn_backend: str = "auto"
 ) -> tuple[bool, str]:
@@ -64,12 +76,7 @@ def compile_choice(
         attn_backend: ``generation.attn_backend`` (unused by the rule: every backend compiles, FlashAttention-2
             through the ``vase::flash_decode`` operator, :func:`vase.engine.attention.flash_decode`).
     """
-    if setting is True:
-        setting = "on"
-    elif setting is False or setting is None:
-        setting = "off"
-    if setting not in COMPILE_SETTINGS:
-        raise ValueError(f"generation.compile: must be one of {', '.join(COMPILE_SETTINGS)}, got {setting!r}")
+    setting = compile_setting(setting)
     if setting == "off":
         return False, "off: set explicitly"
     if device.type == "cpu" and not cxx_compiler():

@@ -49,6 +49,7 @@ from vase.engine.compiled import (
     compile_choice,
     compile_forward,
     compile_mode,
+    compile_setting,
     drain_bucket,
     mark_static,
     own_dynamo_cache,
@@ -145,7 +146,7 @@ class Decoder:
         self.device = param.device
         expected = max_new_tokens if max_new_tokens is not None else max_length
         self.compiled, self.compile_reason = compile_choice(compile, self.device, policy, expected, attn_backend)
-        self.compile_setting = compile
+        self.compile_setting = compile_setting(compile)
         logger.info("decode step compile: %s (%s)", "on" if self.compiled else "off", self.compile_reason)
         self.backend, self.backend_reason = backend_choice(
             attn_backend, self.device, param.dtype, sinks=has_attention_sinks(model)
@@ -193,7 +194,8 @@ class Decoder:
         self._static_marked = False
         self._buckets_seen: set[tuple[int, int]] = set()  # (row bucket, key length) graphs that have run (compiled)
         self._draining = False  # no request pending: the live rows only decrease (compiled: drain_bucket)
-        self.capture = CaptureWatch(self.device, compile)  # each row bucket's compile and CUDA-graph capture
+        # each row bucket's compile and CUDA-graph capture; YAML's true is on (a skip raises), not the string "True"
+        self.capture = CaptureWatch(self.device, self.compile_setting)
         if self.compiled:
             self.cache.bucketed = True  # one graph per bucket of live rows and key-length bucket
             buckets = len(row_buckets(rows)) * len(self.key_buckets())

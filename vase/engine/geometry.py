@@ -119,16 +119,6 @@ class CacheGeometry:
         if self.linear is None and LINEAR in types:
             raise ValueError(f"CacheGeometry: layer_types {types} have linear-attention layers but no linear shape")
 
-    @property
-    def kv_head_offset(self) -> int:
-        """The model's index of this geometry's first KV head (0 without tensor parallelism)."""
-        return 0 if self.heads is None else self.heads.offset
-
-    @property
-    def kv_heads_total(self) -> int:
-        """The model's KV heads (all ranks of a tensor-parallel group together)."""
-        return self.num_kv_heads if self.heads is None else self.heads.total
-
     def whole(self) -> CacheGeometry:
         """The geometry of the whole model (every KV head), as one process holds it: what a sample's K/V bytes are
         accounted with, whatever the tensor parallelism (a rank's own storage is :attr:`kv_bytes`)."""

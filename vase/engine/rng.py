@@ -155,13 +155,10 @@ class RowRNG:
         k = mix32(self.key.bitwise_xor(mix32(pre)))
         return k[:, :1], k[:, 1:]
 
-    def bits(self, numel: int) -> torch.Tensor:
-        """``(B, numel)`` int64 hashes in ``[0, 2^32)``: one draw."""
-        return self.bits_at(torch.arange(numel, dtype=torch.long, device=self.key.device))
-
     def bits_at(self, j: torch.Tensor) -> torch.Tensor:
-        """``(B, len(j))`` int64 hashes of the elements ``j`` (a 1-d int64 tensor) of one draw: the same values as
-        ``bits(n)[:, j]`` for any ``n > max(j)`` (a rank that holds some heads draws their part of the whole draw)."""
+        """``(B, len(j))`` int64 hashes in ``[0, 2^32)`` of the elements ``j`` (a 1-d int64 tensor) of one draw:
+        element ``j`` has the same value whatever the draw's size (a rank that holds some heads draws their part of
+        the whole draw)."""
         k1, k2 = self._round_keys()
         return mix32(mix32(j.unsqueeze(0) ^ k1).bitwise_xor_(k2))
 
@@ -182,9 +179,7 @@ class RowRNG:
         ``heads=(offset, total)``: ``shape[0]`` is a slice of heads from ``offset`` of ``total`` (tensor
         parallelism): the numbers are those rows ``offset ..`` of a draw of ``(total, *shape[1:])``."""
         j, _ = self._span(shape, heads, self.key.device)
-        x = self.bits_at(j)
-        u = (x >> 9).to(torch.float32).mul_(2.0**-23).add_(2.0**-24)
-        return u.view(-1, *shape)
+        return self._uniform_at(j).view(-1, *shape)
 
     def normal(self, *shape: int, heads: tuple[int, int] | None = None) -> torch.Tensor:
         """``(B, *shape)`` float32 standard normal (Box–Muller on one draw of ``2 * numel`` uniforms); ``heads`` as
@@ -196,6 +191,7 @@ class RowRNG:
         return r.mul_(torch.cos(u[:, n:] * (2 * math.pi))).view(-1, *shape)
 
     def _uniform_at(self, j: torch.Tensor) -> torch.Tensor:
+        """``(B, len(j))`` float32 uniforms of the elements ``j`` of one draw (:meth:`bits_at`)."""
         x = self.bits_at(j)
         return (x >> 9).to(torch.float32).mul_(2.0**-23).add_(2.0**-24)
 
