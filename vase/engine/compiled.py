@@ -63,9 +63,7 @@ def compile_setting(setting: Any) -> str:
     return setting
 
 
-def compile_choice(
-    setting: Any, device: torch.device, policy, expected_steps: int | None, attn_backend: str = "auto"
-) -> tuple[bool, str]:
+def compile_choice(setting: Any, device: torch.device, policy, expected_steps: int | None) -> tuple[bool, str]:
     """``(compile?, why)`` for ``generation.compile=setting``; a one-line ``ValueError`` for a bad or impossible one.
 
     Args:
@@ -73,8 +71,9 @@ def compile_choice(
         device: the model's device.
         policy: the cache policy.
         expected_steps: tokens a row may decode (its output cap), or ``None`` if unknown.
-        attn_backend: ``generation.attn_backend`` (unused by the rule: every backend compiles, FlashAttention-2
-            through the ``vase::flash_decode`` operator, :func:`vase.engine.attention.flash_decode`).
+
+    Every attention backend compiles (FlashAttention-2 through the ``vase::flash_decode`` operator,
+    :func:`vase.engine.attention.flash_decode`), so the backend does not enter the rule.
     """
     setting = compile_setting(setting)
     if setting == "off":

@@ -145,7 +145,7 @@ class Decoder:
         param = next(model.parameters())
         self.device = param.device
         expected = max_new_tokens if max_new_tokens is not None else max_length
-        self.compiled, self.compile_reason = compile_choice(compile, self.device, policy, expected, attn_backend)
+        self.compiled, self.compile_reason = compile_choice(compile, self.device, policy, expected)
         self.compile_setting = compile_setting(compile)
         logger.info("decode step compile: %s (%s)", "on" if self.compiled else "off", self.compile_reason)
         self.backend, self.backend_reason = backend_choice(

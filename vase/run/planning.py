@@ -319,7 +319,7 @@ def plan(cfg: DictConfig, *, machine: bool = True, cache: bool = False, device: 
 
         # generation.compile=on that cannot run (a selection policy, no C++ compiler on the CPU): one line, now
         g = cfg.generation
-        compile_choice(g.get("compile", "off"), spec.resolved_device(), prep.policy, prep.max_length, g.attn_backend)
+        compile_choice(g.get("compile", "off"), spec.resolved_device(), prep.policy, prep.max_length)
         check_resolved(run_dir, {"model": prep.model_spec.resolve()}, write=False)  # refuse changed weights
     check_protocol(run_dir, comparable(run_dir, with_dtype(prep, work)), write=False)
     return RunPlan(prep, problems, data, done_rows, work)
