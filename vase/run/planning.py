@@ -370,10 +370,11 @@ def preflight(cfg: DictConfig, *, multirun: bool = False) -> RunPlan:
     """The one decision whether a run may start, before Hydra writes anything: the composed config (with Hydra's own
     node, as ``run.py`` composes it) in, the plan out, or a one-line ``ValueError`` (``run.py`` prints it and exits 2).
 
-    Hydra's output directory must be writable; then :func:`plan` (every check of the run, on this machine unless the
-    launcher is SLURM's, whose nodes check device and memory), and for a single run that no other process holds the
-    run directory. The runner then executes the plan (:func:`vase.run.runner.run` plans again under the same rules
-    before it takes the lock). docs/architecture.md, "Which file decides what", lists what each check decides.
+    Hydra's output directory must be writable and ``parallel.tensor`` must divide the ranks started here; then
+    :func:`plan` (every check of the run, on this machine unless the launcher is SLURM's, whose nodes check device,
+    memory and ranks), and for a single run that no other process holds the run directory. The runner then executes
+    the plan (:func:`vase.run.runner.run` plans again under the same rules before it takes the lock).
+    docs/architecture.md, "Which file decides what", lists what each check decides.
     """
     from vase.run.rundir import check_writable, probe_lock
 
@@ -382,6 +383,12 @@ def preflight(cfg: DictConfig, *, multirun: bool = False) -> RunPlan:
     fix = "point results_dir (or hydra.run.dir / hydra.sweep.dir) at a directory you can write"
     check_writable(Path(str(where)), "results_dir (Hydra's output directory)", fix)
     machine = "Slurm" not in str(hydra.launcher.get("_target_", ""))
+    if machine:  # parallel.tensor against the ranks started here (a SLURM job's ranks: checked on its nodes)
+        from copy import copy
+
+        from vase.run.distributed import current_world
+
+        copy(current_world()).with_tensor((cfg.get("parallel") or {}).get("tensor", 1))
     p = plan(cfg, machine=machine, cache=True)
     if not multirun:
         probe_lock(p.prep.run_dir)

@@ -431,8 +431,7 @@ def _check_plan(
     except Exception as err:  # a config transformers cannot build on the meta device: the cache is still checked
         logger.warning("memory plan: the weights of this config could not be counted (%s); not counted", err)
         weights = 0
-    setting = "generation.max_rows" if rows_reason == "generation.max_rows" else rows_reason
-    plan = plan_memory(weights, per_row, rows, free, reserve_bytes(free, gpu), tensor, setting)
+    plan = plan_memory(weights, per_row, rows, free, reserve_bytes(free, gpu), tensor, rows_reason)
     logger.info(
         "memory plan per rank: %s of weights + %d rows x %s + %s reserve = %s of %s free (parallel.tensor=%d)",
         _gib(weights),
