@@ -31,7 +31,15 @@ from vase.engine.memory import auto_dtype
 from vase.engine.sampling import SamplingConfig, sample_seeds
 from vase.engine.scores import score_dtype
 from vase.run.checks import MAX_BUDGET, check_protocol_n_protect, check_settings, parse_bytes
-from vase.run.preflight import check_cache, check_fields, check_model, load_problems, load_tokenizer, no_problems
+from vase.run.preflight import (
+    check_cache,
+    check_fields,
+    check_model,
+    load_problems,
+    load_tokenizer,
+    no_problems,
+    tensor_of,
+)
 from vase.run.protocol import check_authors_data, check_authors_source, comparable, data_copy, protocol_knobs, run_tag
 from vase.run.protocol import settings as protocol_settings
 from vase.run.results import PROTOCOL, check_protocol, check_resolved, read_json, read_samples, stable_hash
@@ -388,7 +396,7 @@ def preflight(cfg: DictConfig, *, multirun: bool = False) -> RunPlan:
 
         from vase.run.distributed import current_world
 
-        copy(current_world()).with_tensor((cfg.get("parallel") or {}).get("tensor", 1))
+        copy(current_world()).with_tensor(tensor_of(cfg))
     p = plan(cfg, machine=machine, cache=True)
     if not multirun:
         probe_lock(p.prep.run_dir)

@@ -444,6 +444,11 @@ def _check_plan(
     )
 
 
+def tensor_of(cfg: Any) -> int:
+    """``parallel.tensor`` of a config (1 when the config has no ``parallel`` node)."""
+    return (cfg.get("parallel") or {}).get("tensor", 1)
+
+
 def check_tensor(policy: Any, config: Any, tensor: int) -> None:
     """``parallel.tensor`` against the model and the policy, before anything loads: the KV heads (and a MoE's
     experts) must split evenly, and a policy that cannot run on a slice of the heads (``Policy.head_parallel``) is
@@ -480,7 +485,7 @@ def check_cache(
 
         on_cpu = device.type != "cuda" and prep.kv_memory is None
         rows, reason, kv_memory = (AUTO_CPU_ROWS if on_cpu else 1), "auto", prep.kv_memory
-    tensor = int((prep.cfg.get("parallel") or {}).get("tensor", 1))
+    tensor = tensor_of(prep.cfg)
     check_tensor(prep.policy, config, tensor)
     check_memory(
         config,
