@@ -204,6 +204,7 @@ CASES_BEFORE_HYDRA = {
         "policy seer_attention_r: cannot load gates nobody/no-such-gates@main (",
     ),
     "plus-typo": (["+generation.compil=on"], "generation.compil: unknown setting (did you mean generation.compile?)"),
+    "tensor-one-rank": (["parallel.tensor=2"], "parallel.tensor=2 does not divide the 1 ranks started"),
 }
 
 

@@ -70,7 +70,7 @@ def plan_memory(
     plan = MemoryPlan(weights, row, rows, reserve, free, tensor)
     if plan.total <= free:
         return plan
-    more = f"a larger parallel.tensor (now {tensor})" + (" or a quantised checkpoint" if tensor >= 1 else "")
+    more = f"a larger parallel.tensor (now {tensor}) or a quantised checkpoint"
     if weights + reserve > free:
         raise ValueError(
             f"memory plan: the weights alone are {_g(weights)} per rank (+ {_g(reserve)} workspace reserve) on a "

@@ -31,7 +31,15 @@ from vase.engine.memory import auto_dtype
 from vase.engine.sampling import SamplingConfig, sample_seeds
 from vase.engine.scores import score_dtype
 from vase.run.checks import MAX_BUDGET, check_protocol_n_protect, check_settings, parse_bytes
-from vase.run.preflight import check_cache, check_fields, check_model, load_problems, load_tokenizer, no_problems
+from vase.run.preflight import (
+    check_cache,
+    check_fields,
+    check_model,
+    load_problems,
+    load_tokenizer,
+    no_problems,
+    tensor_of,
+)
 from vase.run.protocol import check_authors_data, check_authors_source, comparable, data_copy, protocol_knobs, run_tag
 from vase.run.protocol import settings as protocol_settings
 from vase.run.results import PROTOCOL, check_protocol, check_resolved, read_json, read_samples, stable_hash
@@ -370,10 +378,11 @@ def preflight(cfg: DictConfig, *, multirun: bool = False) -> RunPlan:
     """The one decision whether a run may start, before Hydra writes anything: the composed config (with Hydra's own
     node, as ``run.py`` composes it) in, the plan out, or a one-line ``ValueError`` (``run.py`` prints it and exits 2).
 
-    Hydra's output directory must be writable; then :func:`plan` (every check of the run, on this machine unless the
-    launcher is SLURM's, whose nodes check device and memory), and for a single run that no other process holds the
-    run directory. The runner then executes the plan (:func:`vase.run.runner.run` plans again under the same rules
-    before it takes the lock). docs/architecture.md, "Which file decides what", lists what each check decides.
+    Hydra's output directory must be writable and ``parallel.tensor`` must divide the ranks started here; then
+    :func:`plan` (every check of the run, on this machine unless the launcher is SLURM's, whose nodes check device,
+    memory and ranks), and for a single run that no other process holds the run directory. The runner then executes
+    the plan (:func:`vase.run.runner.run` plans again under the same rules before it takes the lock).
+    docs/architecture.md, "Which file decides what", lists what each check decides.
     """
     from vase.run.rundir import check_writable, probe_lock
 
@@ -382,6 +391,12 @@ def preflight(cfg: DictConfig, *, multirun: bool = False) -> RunPlan:
     fix = "point results_dir (or hydra.run.dir / hydra.sweep.dir) at a directory you can write"
     check_writable(Path(str(where)), "results_dir (Hydra's output directory)", fix)
     machine = "Slurm" not in str(hydra.launcher.get("_target_", ""))
+    if machine:  # parallel.tensor against the ranks started here (a SLURM job's ranks: checked on its nodes)
+        from copy import copy
+
+        from vase.run.distributed import current_world
+
+        copy(current_world()).with_tensor(tensor_of(cfg))
     p = plan(cfg, machine=machine, cache=True)
     if not multirun:
         probe_lock(p.prep.run_dir)

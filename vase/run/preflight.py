@@ -431,8 +431,7 @@ def _check_plan(
     except Exception as err:  # a config transformers cannot build on the meta device: the cache is still checked
         logger.warning("memory plan: the weights of this config could not be counted (%s); not counted", err)
         weights = 0
-    setting = "generation.max_rows" if rows_reason == "generation.max_rows" else rows_reason
-    plan = plan_memory(weights, per_row, rows, free, reserve_bytes(free, gpu), tensor, setting)
+    plan = plan_memory(weights, per_row, rows, free, reserve_bytes(free, gpu), tensor, rows_reason)
     logger.info(
         "memory plan per rank: %s of weights + %d rows x %s + %s reserve = %s of %s free (parallel.tensor=%d)",
         _gib(weights),
@@ -443,6 +442,11 @@ def _check_plan(
         _gib(free),
         tensor,
     )
+
+
+def tensor_of(cfg: Any) -> int:
+    """``parallel.tensor`` of a config (1 when the config has no ``parallel`` node)."""
+    return (cfg.get("parallel") or {}).get("tensor", 1)
 
 
 def check_tensor(policy: Any, config: Any, tensor: int) -> None:
@@ -481,7 +485,7 @@ def check_cache(
 
         on_cpu = device.type != "cuda" and prep.kv_memory is None
         rows, reason, kv_memory = (AUTO_CPU_ROWS if on_cpu else 1), "auto", prep.kv_memory
-    tensor = int((prep.cfg.get("parallel") or {}).get("tensor", 1))
+    tensor = tensor_of(prep.cfg)
     check_tensor(prep.policy, config, tensor)
     check_memory(
         config,

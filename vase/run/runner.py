@@ -38,6 +38,7 @@ from vase.run.distributed import World, current_world
 from vase.run.grading_pool import Grader, grade_workers
 from vase.run.loggers import NullLogger
 from vase.run.planning import RunPlan, build, plan, prepare, resolved_spec, still_to_do, with_dtype
+from vase.run.preflight import tensor_of
 from vase.run.protocol import comparable
 from vase.run.records import compute_metrics
 from vase.run.results import (
@@ -52,12 +53,6 @@ from vase.run.results import (
 )
 from vase.run.rundir import lock_run_dir
 from vase.run.validate import planned_for
-
-
-def tensor_of(cfg: DictConfig) -> int:
-    """``parallel.tensor`` of a config (1 when the config has no ``parallel`` node)."""
-    return (cfg.get("parallel") or {}).get("tensor", 1)
-
 
 logger = logging.getLogger(__name__)
 
