@@ -27,7 +27,7 @@ from vase.configs import hub_config  # noqa: E402
 from vase.engine.geometry import config_geometry  # noqa: E402
 from vase.models import cache_dir  # noqa: E402
 from vase.parallel import kv_heads_split, weight_bytes  # noqa: E402
-from vase.run.memory_plan import GIB, reserve_bytes  # noqa: E402
+from vase.run.memory_plan import GIB, MemoryPlan, reserve_bytes  # noqa: E402
 
 #: usable memory of one GPU (bytes): H200 141 GB of HBM3e as the driver reports it, H100 80 GB
 DEVICES = {"H200": int(140.4 * GIB), "H100": int(79.2 * GIB)}
@@ -49,8 +49,8 @@ def row_bytes(config, ratio: int, tensor: int) -> int:
 
 def fits(config, device: int, ratio: int, tensor: int = 1) -> int:
     """Rows that fit one rank of ``device`` bytes beside its weights and the reserve."""
-    room = device - weight_bytes(config, torch.bfloat16, tensor) - reserve_bytes(device)
-    return max(0, room // row_bytes(config, ratio, tensor))
+    weights, row = weight_bytes(config, torch.bfloat16, tensor), row_bytes(config, ratio, tensor)
+    return MemoryPlan(weights, row, 0, reserve_bytes(device), device, tensor).max_rows
 
 
 def table() -> str:

@@ -310,11 +310,7 @@ def answer_equal(gold: str, pred: str | None, equivalence: str, verdict: bool | 
 
 
 def _math_equal_pairs(pairs: Sequence[tuple[str, str | None]], equivalence: str = "math_verify") -> list[bool]:
-    if equivalence == "authors":
-        from tasks.authors_grader import check_is_correct
-
-        return [check_is_correct(p, g) for g, p in pairs]
-    return [math_equal(g, p) for g, p in pairs]
+    return [answer_equal(g, p, equivalence) for g, p in pairs]
 
 
 _pool_lock = threading.Lock()

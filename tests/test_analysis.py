@@ -824,3 +824,19 @@ def test_accuracy_under_both_grader_rules_and_two_protocols_kept_apart(tmp_path:
     assert {"accuracy_m_B64", "accuracy_m_B64_strict", "accuracy_m_B64_last_boxed"} <= names
     strict = next(t for t in paper_tables(s) if t.name == "accuracy_m_B64_strict")
     assert "grader: strict" in strict.caption and set(strict.data["policy"]) == set(s["policy"][s["task"] == "math500"])
+
+
+def test_read_json_ignores_a_nonfinite_number_or_a_metric_out_of_range(tmp_path, caplog):
+    """A run's JSON file holding NaN / Infinity (any file) or a metric out of its range (``metrics.json``) is ignored
+    with one warning naming why; a good one is read."""
+    from vase.analysis.load import _read_json
+
+    (tmp_path / "protocol.json").write_text('{"a": {"b": NaN}}')
+    (tmp_path / "metrics.json").write_text('{"accuracy": 1.5}')
+    (tmp_path / "manifest.json").write_text('{"accuracy": 1.5, "n": 3}')  # no metric ranges outside metrics.json
+    with caplog.at_level("WARNING", logger="vase.analysis.load"):
+        assert _read_json(tmp_path / "protocol.json") is None
+        assert _read_json(tmp_path / "metrics.json") is None
+        assert _read_json(tmp_path / "manifest.json") == {"accuracy": 1.5, "n": 3}
+    assert "holds a.b, not a finite number" in caplog.text
+    assert "key accuracy must be" in caplog.text

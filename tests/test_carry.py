@@ -148,3 +148,18 @@ def test_smoke_dry_run_from_the_carry_on_the_images_torch(tmp_path):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-3000:]
     assert "transformers 5.24.0 (needs" in out and "\nPASS in " in out
+
+
+def test_the_smoke_and_the_preflight_read_one_transformers_range():
+    """The smoke's ``env`` check and the carry's preflight take the range from ``pyproject.toml`` the same way
+    (:func:`vase.bench.carry.transformers_range`): one verdict, naming that range."""
+    from importlib.metadata import version
+
+    from vase.bench.carry import transformers_range
+    from vase.bench.smoke import transformers_check
+
+    want = transformers_range()
+    assert str(want) and "transformers" not in str(want)
+    ok, line = transformers_check()
+    assert ok is want.contains(version("transformers"), prereleases=True)
+    assert str(want) in line

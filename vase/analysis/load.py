@@ -139,9 +139,10 @@ def _read_json(path: Path) -> dict | None:
     if not isinstance(obj, dict):
         logger.warning("%s: a JSON %s, not an object; ignored", path, type(obj).__name__)
         return None
-    why = number_problem(obj, "key") if path.name == "metrics.json" else None
-    if why is None and path.name != "metrics.json":
-        why = None if first_nonfinite(obj) is None else f"holds {first_nonfinite(obj)}, not a finite number"
+    if path.name == "metrics.json":
+        why = number_problem(obj, "key")
+    else:
+        why = None if (bad := first_nonfinite(obj)) is None else f"holds {bad}, not a finite number"
     if why is not None:
         logger.warning("%s: not what vase writes (%s); ignored", path, why)
         return None

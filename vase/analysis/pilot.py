@@ -394,6 +394,14 @@ def _title(task: str, model: str, t: pd.DataFrame) -> str:
     )
 
 
+def _lead_cells(r: pd.Series) -> str:
+    """The first cells of a policy's row, shared by :func:`summary_markdown` and the full table (so the two agree
+    digit for digit): policy (``†``: incomplete), budget, pass@1 ± SE, difference to the full cache ± paired SE."""
+    done = "" if r["complete"] else " †"
+    delta = "–" if math.isnan(r["delta_vs_full"]) else f"{r['delta_vs_full']:+.1f} ± {_f(r['delta_se'])}"
+    return f"| {r['method']}{done} | {_budget(r['budget'])} | {_f(r['accuracy'])} ± {_f(r['accuracy_se'])} | {delta} |"
+
+
 def summary_markdown(table: pd.DataFrame, where: str) -> str:
     """The short form of :func:`pilot_table` (the README's): per (task, model) each policy's budget, pass@1 ± SE,
     difference to the full cache ± paired SE and paper GSM8K cell, the same cells as the full table (so the two agree
@@ -403,13 +411,7 @@ def summary_markdown(table: pd.DataFrame, where: str) -> str:
         lines += [_title(task, model, t), ""]
         lines.append("| policy | budget | pass@1 % ± SE | Δ vs full ± paired SE | paper GSM8K % |")
         lines.append("|---|---|---|---|---|")
-        for _, r in t.iterrows():
-            done = "" if r["complete"] else " †"
-            delta = "–" if math.isnan(r["delta_vs_full"]) else f"{r['delta_vs_full']:+.1f} ± {_f(r['delta_se'])}"
-            lines.append(
-                f"| {r['method']}{done} | {_budget(r['budget'])} | {_f(r['accuracy'])} ± {_f(r['accuracy_se'])} | "
-                f"{delta} | {_paper_cell(r)} |"
-            )
+        lines += [f"{_lead_cells(r)} {_paper_cell(r)} |" for _, r in t.iterrows()]
         lines.append("")
         lines += _paper_notes(t)
     lines.append(
@@ -433,11 +435,8 @@ def _policy_tables(table: pd.DataFrame) -> list[str]:
         )
         lines.append("|---" * (11 + len(rules)) + "|")
         for _, r in t.iterrows():
-            done = "" if r["complete"] else " †"
-            delta = "–" if math.isnan(r["delta_vs_full"]) else f"{r['delta_vs_full']:+.1f} ± {_f(r['delta_se'])}"
             lines.append(
-                f"| {r['method']}{done} | {_budget(r['budget'])} | {_f(r['accuracy'])} ± {_f(r['accuracy_se'])} | "
-                f"{delta} | "
+                f"{_lead_cells(r)} "
                 + "".join(f"{_f(r[c])} | " for c in rules)
                 + f"{_f(r['loop_rate'])} | {_f(r['garbage_rate'])} | {_f(r['truncated_rate'])} | "
                 f"{_f(r['mean_output_tokens'], 0)} | {_f(r['compression_ratio'], 2)} | "

@@ -142,8 +142,7 @@ def staggered_decode(
         compile="on" if compiled else "off",
         compile_backend=backend,
     )
-    g_ = dec.geometry
-    token_bytes = 2 * g_.num_kv_heads * g_.head_dim * torch.finfo(g_.dtype).bits // 8 * len(g_.full_layers)
+    token_bytes = dec.geometry.bytes_per_token
     report = BytesReport(name, compiled, cap, rows, dec.key_buckets(), 0, token_bytes=token_bytes)
     forward = dec._forward  # measured around each decode forward (the decoder's own callable, wrapped here only)
 

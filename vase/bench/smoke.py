@@ -225,18 +225,16 @@ def section_decode(sec: Section, model, cfg: dict) -> dict:
 def transformers_check() -> tuple[bool, str]:
     """Whether the installed transformers is in the range ``pyproject.toml`` asks for, in one line (with the offline
     fix when it is not: a GPU image may ship another release)."""
-    import re
     from importlib.metadata import version
 
-    from packaging.requirements import Requirement
+    from vase.bench.carry import transformers_range
 
-    pin = re.search(r'"(transformers[^"]*)"', (REPO / "pyproject.toml").read_text())
-    req = Requirement(pin.group(1))
+    want = transformers_range()
     have = version("transformers")
-    if req.specifier.contains(have, prereleases=True):
-        return True, f"transformers {have} (needs {req.specifier})"
+    if want.contains(have, prereleases=True):
+        return True, f"transformers {have} (needs {want})"
     return False, (
-        f"FAIL: transformers {have} is outside {req.specifier}; without a registry: `python scripts/gpu_carry.py "
+        f"FAIL: transformers {have} is outside {want}; without a registry: `python scripts/gpu_carry.py "
         "--torch <this torch> --hub <this huggingface-hub>` on a connected machine, copy .carry/ here, rerun "
         "scripts/gpu_smoke.sh (docs/gpus.md)"
     )
