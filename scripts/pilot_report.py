@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """The pilot studies' tables (every policy against the full cache, ± standard errors) from a results tree.
 
-Logic in :mod:`vase.analysis.pilot`. Prints the Markdown; with ``--update docs/pilot.md`` it also replaces the
-generated block of that file: ``--block pilot`` (the first pilot; ``make pilot``) or ``--block reasoning`` (the second
-pilot, in the paper's regime: the regime, the table, the paired comparisons and the full cache on the selection run
-and the unselected control set; ``make pilot-reasoning``).
+Logic in :mod:`vase.analysis.pilot`. Prints the Markdown of ``--block pilot`` (the first pilot's form) or ``--block
+reasoning`` (the second pilot's: the regime, the table, the paired comparisons and the full cache on the selection
+run and the unselected control set). docs/pilot.md's blocks are written by ``make tables`` alone
+(``scripts/make_tables.py``, from the committed compact results), never from a results tree.
 
-    python scripts/pilot_report.py results/pilot --update docs/pilot.md --wall-seconds 4980
+    python scripts/pilot_report.py results/pilot --wall-seconds 4980
     python scripts/pilot_report.py results/pilot_reasoning --block reasoning \\
-        --selection results/pilot_reasoning_select --control results/pilot_reasoning_control --update docs/pilot.md
+        --selection results/pilot_reasoning_select --control results/pilot_reasoning_control
 """
 
 import argparse
@@ -23,15 +23,13 @@ from vase.analysis.pilot import (  # noqa: E402
     pilot_markdown,
     pilot_table,
     reasoning_markdown,
-    update_block,
 )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("results", type=Path, help="the results tree of the pilot sweep")
-    ap.add_argument("--block", choices=sorted(BLOCKS), default="pilot", help="which pilot (and generated block)")
-    ap.add_argument("--update", type=Path, default=None, help="replace the generated block of this Markdown file")
+    ap.add_argument("--block", choices=sorted(BLOCKS), default="pilot", help="which pilot form")
     ap.add_argument("--wall-seconds", type=float, default=None, help="wall time of the command that ran the pilot")
     ap.add_argument("--csv", type=Path, default=None, help="also write the table as CSV")
     ap.add_argument("--control", type=Path, default=None, help="reasoning: the full cache on the unselected problems")
@@ -63,8 +61,6 @@ def main() -> int:
     print(text)
     if args.csv:
         table.to_csv(args.csv, index=False)
-    if args.update:
-        update_block(args.update, text, args.block)
     return 0
 
 

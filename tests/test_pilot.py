@@ -13,16 +13,12 @@ from omegaconf import OmegaConf
 from tests.test_analysis import make_run
 from tests.test_tasks import SHARED, needs_shared
 from vase.analysis.pilot import (
-    BEGIN,
-    BLOCKS,
-    END,
     pilot_comparisons,
     pilot_markdown,
     pilot_regime,
     pilot_table,
     reasoning_markdown,
     selection_table,
-    update_block,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,14 +52,6 @@ def test_pilot_table_by_hand(tree: Path):
 def test_markdown_and_generated_block(tree: Path, tmp_path: Path):
     text = pilot_markdown(pilot_table(tree), wall_seconds=120.0, command="make pilot")
     assert "| SnapKV | 64 | 37.5 ±" in text and "-25.0 ±" in text and "2.0 min" in text
-    doc = tmp_path / "pilot.md"
-    doc.write_text(f"# Pilot\nbefore\n{BEGIN}\nold\n{END}\nafter\n")
-    update_block(doc, text)
-    content = doc.read_text()
-    assert "old" not in content and "before" in content and "after" in content and "SnapKV" in content
-    with pytest.raises(ValueError, match="generated block"):
-        (tmp_path / "bad.md").write_text("no markers")
-        update_block(tmp_path / "bad.md", text)
 
 
 def test_both_grader_rules_and_the_paper_rows_of_the_gsm8k_pilot(tmp_path: Path):
@@ -198,15 +186,6 @@ def test_reasoning_block_with_selection_and_control(reasoning_tree: Path, tmp_pa
     assert "62.5" in sel and "4 problems × 2 samples" in sel and "seed 1000" in sel  # p9 left out
     ctl = next(line for line in text.splitlines() if "unselected control" in line)
     assert "50.0 ± 28.9 %" in ctl and "3 problems × 2 samples" in ctl
-    doc = tmp_path / "pilot.md"
-    begin, end = BLOCKS["reasoning"]
-    doc.write_text(f"# Pilot\n{BEGIN}\nfirst pilot\n{END}\nmiddle\n{begin}\nOLD-BLOCK\n{end}\nafter\n")
-    update_block(doc, text, "reasoning")
-    content = doc.read_text()
-    assert "first pilot" in content and "OLD-BLOCK" not in content and "middle" in content and "after" in content
-    assert content.index(END) < content.index("Regime (humaneval")
-    update_block(doc, "new first\n")  # the first pilot's block is still the default
-    assert "first pilot" not in doc.read_text() and "Regime (humaneval" in doc.read_text()
 
 
 @pytest.mark.slow  # CI's time budget

@@ -572,14 +572,3 @@ def reasoning_markdown(
         lines += ["The full cache on each problem set (selection bias: compare the first two with the last):", ""]
         lines += full + [""]
     return "\n".join(lines + _footer(table, wall_seconds, command)) + "\n"
-
-
-def update_block(doc: Path, text: str, block: str = "pilot") -> None:
-    """Replace the generated block ``block`` of ``doc`` (:data:`BLOCKS`: between its begin and end markers)."""
-    begin, end = BLOCKS[block]
-    content = doc.read_text() if doc.exists() else f"{begin}\n{end}\n"
-    if begin not in content or end not in content:
-        raise ValueError(f"{doc}: no generated block ({begin} ... {end}) to replace")
-    head, rest = content.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    doc.write_text(f"{head}{begin}\n{text}{end}{tail}")
