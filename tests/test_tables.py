@@ -284,10 +284,12 @@ def test_the_tables_say_where_the_runs_ran(tmp_path: Path):
         manifest = {"device": device, "ranks": [{"dtype": "torch.bfloat16", "rows_in_flight": 128}],
                     "libraries": {"torch": "2.13.0+cpu", "transformers": "5.25.0"}}  # fmt: skip
         (tmp_path / name / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "manifest.json").write_text('{"device": ')  # damaged: skipped with a warning, never a crash
     line = machine_line(tmp_path)
     assert line.startswith("Ran on: 2-core AMD EPYC (AVX512, native bf16); bfloat16; 1 / 2 torch thread(s) and 128 ")
     assert "torch 2.13.0+cpu, transformers 5.25.0 (2 manifests)" in line
-    for name in ("a", "b"):
+    for name in ("a", "b", "c"):
         (tmp_path / name / "manifest.json").write_text(json.dumps({"device": {"cpus": 2}}))
     assert machine_line(tmp_path, "a 2-vCPU AMD EPYC").startswith("Ran on: a 2-vCPU AMD EPYC; ?;")
     assert "its model not recorded" in machine_line(tmp_path) and machine_line(tmp_path / "a" / "x") == ""

@@ -16,11 +16,11 @@ them and rewrites, with the generators of :mod:`vase.analysis.pilot`:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from vase.analysis.load import _read_json
 from vase.analysis.pilot import (
     BLOCKS,
     pilot_comparisons,
@@ -136,7 +136,7 @@ def machine_line(root: Path, machine: str | None = None) -> str:
     """Where the runs under ``root`` ran, from their manifests: the CPU (``device.cpu`` and the kernels torch picked;
     else ``machine``, the slim step's words), the dtype, torch's threads and the rows in flight per process, and the
     library versions. One line ending in a newline."""
-    manifests = [json.loads(p.read_text()) for p in sorted(Path(root).rglob("manifest.json"))]
+    manifests = [m for p in sorted(Path(root).rglob("manifest.json")) if (m := _read_json(p)) is not None]
     if not manifests:
         return ""
     dev = [m.get("device", {}) for m in manifests]
